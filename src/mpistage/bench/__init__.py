@@ -1,0 +1,1 @@
+"""Benchmark tools: a simulated shared file system and a Pynamic-like workload."""

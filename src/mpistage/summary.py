@@ -1,0 +1,61 @@
+"""``mpistage inspect``: what a bundle holds, from its manifest alone."""
+
+import os as _os
+
+
+def largest(manifest, count=10):
+    """Return the *count* largest file members, biggest first."""
+    files = [m for m in manifest["members"] if m["type"] == "file"]
+    return sorted(files, key=lambda m: m["size"], reverse=True)[:count]
+
+
+def render(manifest):
+    """Return the summary of *manifest* as text."""
+    from mpistage.bundle import original_path
+
+    files = [m for m in manifest["members"] if m["type"] == "file"]
+    py = manifest["python"]
+    lines = [
+        f"made by: mpistage {manifest['created_by']} {manifest.get('mpistage', '')}"
+        f" on {manifest['created']}",
+        f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})",
+        f"packages: {', '.join(manifest['packages']) or '(whole directories)'}",
+        "roots:",
+        *(f"  r{i} {root['path']}" for i, root in enumerate(manifest["roots"])),
+        f"files: {len(files)}, bytes: {sum(m['size'] for m in files)}",
+        "largest:",
+        *(
+            f"  {m['size']:>12}  {original_path(manifest, m)}"
+            for m in largest(manifest)
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def cli(argv):
+    """Run ``mpistage inspect BUNDLE``; return the exit status."""
+    import argparse
+
+    from mpistage.bundle import read_manifest
+    from mpistage.errors import StageError
+
+    p = argparse.ArgumentParser(
+        prog="mpistage inspect", description="Summarize a .mpistage bundle."
+    )
+    p.add_argument("bundle")
+    p.add_argument("--json", action="store_true", help="print the whole manifest")
+    args = p.parse_args(argv)
+    try:
+        manifest = read_manifest(args.bundle)
+    except OSError as exc:
+        raise StageError(
+            f"cannot read bundle {args.bundle!r}: {exc.strerror}"
+        ) from None
+    if args.json:
+        import json
+
+        print(json.dumps(manifest, indent=1))
+    else:
+        print(f"bundle: {_os.path.abspath(args.bundle)}")
+        print(render(manifest))
+    return 0

@@ -1,0 +1,59 @@
+"""Step 1 of the runner: which ranks share a node, and who leads each node.
+
+World → node communicator (``Split_type`` SHARED, or contiguous rank blocks
+when ``MPISTAGE_EMULATE_NODES=N`` asks for N emulated nodes) → a communicator
+of node leaders (rank 0 of each node). World rank 0 always leads node 0 and
+is rank 0 of the leaders, so it can broadcast to them.
+"""
+
+import os as _os
+
+from mpistage.errors import StageError
+
+
+class Topology:
+    """The communicators of one job: world, this node, and the node leaders."""
+
+    def __init__(self, world, node, leaders, index, count):
+        self.world, self.node, self.leaders = world, node, leaders
+        self.index, self.count = index, count
+
+    @property
+    def is_leader(self):
+        """Whether this rank stages the bundle for its node."""
+        return self.node.rank == 0
+
+
+def emulated_nodes(size, value=None):
+    """Return N from ``MPISTAGE_EMULATE_NODES`` (``None`` when unset)."""
+    value = _os.environ.get("MPISTAGE_EMULATE_NODES", "") if value is None else value
+    if not value.strip():
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= size:
+        raise StageError(
+            f"MPISTAGE_EMULATE_NODES={value!r} must be a whole number from 1 to "
+            f"the number of ranks ({size})"
+        )
+    return count
+
+
+def discover(world):
+    """Split *world* into nodes and return the job's :class:`Topology`."""
+    from mpi4py import MPI
+
+    count = emulated_nodes(world.size)
+    if count:
+        index = world.rank * count // world.size
+        node = world.Split(index, world.rank)
+    else:
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, world.rank)
+    color = 0 if node.rank == 0 else MPI.UNDEFINED
+    leaders = world.Split(color, world.rank)
+    if not count:
+        index = node.bcast(leaders.rank if node.rank == 0 else None, root=0)
+        count = world.allreduce(1 if node.rank == 0 else 0)
+    return Topology(world, node, leaders, index, count)

@@ -14,15 +14,17 @@ import os as _os
 from mpistage.errors import StageError
 
 
-def pack(output, names=(), paths=(), *, created_by="pack"):
+def pack(output, names=(), paths=(), *, exclude=(), created_by="pack"):
     """Write a bundle of *names* (importable top-level) and *paths* to *output*.
 
+    *exclude* holds glob patterns matched against each member's path relative
+    to its root (``*/tests``); a matching directory is left out whole.
     Returns the manifest that was written. Raises :class:`StageError` for
     a name that cannot be found or a path that is not a directory.
     """
     if not names and not paths:
         raise StageError("nothing to pack: name a package or give --path DIR")
-    roots = Roots()
+    roots = Roots(exclude)
     for name in names:
         add_package(roots, name)
     for path in paths:
@@ -33,9 +35,10 @@ def pack(output, names=(), paths=(), *, created_by="pack"):
 class Roots:
     """The sys.path roots of a bundle and, for each, the files it takes."""
 
-    def __init__(self):
+    def __init__(self, exclude=()):
         self.paths = []
         self.files = {}
+        self.exclude = tuple(exclude)
 
     def index(self, root):
         """Return the number of *root*, registering it on first use."""
@@ -48,7 +51,19 @@ class Roots:
     def take(self, root, path):
         """Add *path* (below *root*) and, for a directory, all below it."""
         self.index(root)
-        self.files[_os.path.abspath(root)].update(walk(path))
+        root = _os.path.abspath(root)
+        kept = (p for p in walk(path) if not self.excluded(_os.path.relpath(p, root)))
+        self.files[root].update(kept)
+
+    def excluded(self, rel):
+        """Whether *rel* or one of its parent directories matches --exclude."""
+        from fnmatch import fnmatch
+
+        while rel and self.exclude:
+            if any(fnmatch(rel, pattern) for pattern in self.exclude):
+                return True
+            rel = _os.path.dirname(rel)
+        return False
 
 
 def walk(path):

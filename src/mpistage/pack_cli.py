@@ -24,6 +24,14 @@ def parser():
         metavar="DIR",
         help="add the whole directory DIR as a sys.path root",
     )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out members whose path below their root, or a parent "
+        "directory's, matches GLOB (e.g. '*/tests')",
+    )
     return p
 
 
@@ -33,7 +41,7 @@ def cli(argv):
     from mpistage.summary import render
 
     args = parser().parse_args(argv)
-    manifest = pack(args.output, args.names, args.path)
+    manifest = pack(args.output, args.names, args.path, exclude=args.exclude)
     print(f"wrote {args.output}")
     print(render(manifest))
     return 0

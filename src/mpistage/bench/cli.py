@@ -1,0 +1,155 @@
+"""``mpistage bench``: the simulated shared file system and startup benchmark.
+
+Verbs: ``simfs SRC MOUNTPOINT`` mounts the simulator, ``unmount MOUNTPOINT``
+and ``stats MOUNTPOINT`` manage it, ``generate DIR`` writes a Pynamic-like
+workload, ``run`` compares startup modes side by side.
+"""
+
+import sys as _sys
+
+VERBS = ("simfs", "unmount", "stats", "generate", "run")
+
+
+def cli(argv):
+    """Dispatch ``mpistage bench VERB ...``; return the exit status."""
+    if not argv or argv[0] not in VERBS:
+        print(f"usage: mpistage bench {{{','.join(VERBS)}}} ...", file=_sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 1
+    verb, rest = argv[0], argv[1:]
+    if verb == "run":
+        return cli_run(rest)
+    if verb == "generate":
+        from mpistage.bench.generate import cli_generate
+
+        return cli_generate(rest)
+    from mpistage.bench import simfs
+
+    return {
+        "simfs": simfs.cli_simfs,
+        "unmount": simfs.cli_unmount,
+        "stats": simfs.cli_stats,
+    }[verb](rest)
+
+
+def run_parser():
+    """Return the argument parser of ``mpistage bench run``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="mpistage bench run",
+        description="Compare startup modes side by side on a simulated "
+        "shared file system.",
+    )
+    p.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        help="numpy, generated (default: both)",
+    )
+    p.add_argument("--code", help="custom workload: code every rank runs")
+    p.add_argument(
+        "--packages",
+        default="",
+        help="with --code: installed packages to put on the shared FS",
+    )
+    p.add_argument("--ranks", default="1,4,16", help="rank counts (default 1,4,16)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=4,
+        help="emulated nodes (at most one per rank; default 4)",
+    )
+    p.add_argument("--modes", default="plain,mpistage,local")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--latency", default="0.5ms", help="metadata latency")
+    p.add_argument("--cache", action="store_true", help="enable kernel caches")
+    p.add_argument(
+        "--modules",
+        type=int,
+        default=None,
+        help="generated workload: number of Python modules",
+    )
+    p.add_argument(
+        "--extensions",
+        type=int,
+        default=None,
+        help="generated workload: number of C extensions",
+    )
+    p.add_argument("-o", "--out", default="bench-out", help="output directory")
+    return p
+
+
+def cli_run(argv):
+    """Run ``mpistage bench run``; print the table, write the files."""
+    from mpistage.bench import results
+    from mpistage.bench.run import run_workload
+    from mpistage.bench.simfs import fuse_available, parse_latency
+    from mpistage.errors import StageError
+
+    args = run_parser().parse_args(argv)
+    reason = fuse_available()
+    if reason:
+        raise StageError(reason)
+    rows = []
+    for workload in workloads(args):
+        rows += run_workload(
+            workload,
+            ranks=parse_ranks(args.ranks),
+            nodes=args.nodes,
+            modes=parse_modes(args.modes),
+            repeat=args.repeat,
+            latency=parse_latency(args.latency),
+            cache=args.cache,
+            out=args.out,
+        )
+    meta = {
+        "latency": args.latency,
+        "nodes": args.nodes,
+        "argv": argv,
+        "cache": args.cache,
+    }
+    results.write_all(rows, args.out, meta)
+    print(results.table(rows))
+    print(f"\nwrote {args.out}/results.csv, results.json and results.png")
+    return 0
+
+
+def workloads(args):
+    """Return the workloads *args* ask for."""
+    from mpistage.bench.workloads import make
+
+    if args.code:
+        return [make("code", args.code, [p for p in args.packages.split(",") if p])]
+    sizes = {
+        k: getattr(args, k)
+        for k in ("modules", "extensions")
+        if getattr(args, k) is not None
+    }
+    return [make(name, sizes=sizes) for name in args.workload or ["numpy", "generated"]]
+
+
+def parse_ranks(text):
+    """Parse ``1,4,16`` into a list of positive rank counts."""
+    from mpistage.errors import StageError
+
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise StageError(
+            f"--ranks {text!r} must be positive whole numbers, e.g. 1,4,16"
+        )
+    return ranks
+
+
+def parse_modes(text):
+    """Parse ``plain,mpistage,local`` and check each mode exists."""
+    from mpistage.bench.modes import MODES
+    from mpistage.errors import StageError
+
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise StageError(f"unknown mode {unknown!r}: choose from {', '.join(MODES)}")
+    return modes

@@ -1,0 +1,100 @@
+"""What ``mpistage bench run`` writes: CSV, JSON, a markdown table, a plot."""
+
+import os as _os
+import statistics as _statistics
+
+from mpistage.bench.run import COLUMNS
+
+KEY = ("workload", "mode", "ranks", "nodes")
+
+
+def write_all(rows, out, meta):
+    """Write results.csv, results.json and results.png below *out*."""
+    import json
+
+    _os.makedirs(out, exist_ok=True)
+    write_csv(rows, _os.path.join(out, "results.csv"))
+    with open(_os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, _os.path.join(out, "results.png"), meta)
+
+
+def write_csv(rows, path):
+    """Write one line per cell and repeat."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in COLUMNS})
+
+
+def medians(rows):
+    """Return one row per (workload, mode, ranks, nodes): medians of repeats."""
+    groups = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in KEY), []).append(row)
+    merged = []
+    for key, group in groups.items():
+        row = dict(zip(KEY, key, strict=True))
+        for col in COLUMNS[5:]:
+            row[col] = _statistics.median(r[col] for r in group)
+        merged.append(row)
+    return sorted(merged, key=lambda r: (r["workload"], r["ranks"], r["mode"]))
+
+
+def table(rows):
+    """Return the medians as a markdown table."""
+    lines = [
+        "| workload | ranks | nodes | mode | total s | start s | import s "
+        "| stage s | shared-FS ops | ops, busiest rank | MB read |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in medians(rows):
+        lines.append(
+            f"| {r['workload']} | {r['ranks']} | {r['nodes']} | {r['mode']} "
+            f"| {r['total_s']:.2f} | {r['start_s']:.2f} | {r['import_s']:.2f} "
+            f"| {r['stage_s']:.2f} | {r['ops_total']:.0f} | {r['ops_rank_max']:.0f} "
+            f"| {r['bytes_read'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path, meta):
+    """Save time vs ranks and ops vs ranks, one line per mode and workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    series = {}
+    for r in medians(rows):
+        series.setdefault((r["workload"], r["mode"]), []).append(r)
+    for (workload, mode), points in sorted(series.items()):
+        ranks = [p["ranks"] for p in points]
+        label = f"{workload} / {mode}"
+        left.plot(ranks, [p["total_s"] for p in points], marker="o", label=label)
+        right.plot(
+            ranks, [max(p["ops_total"], 1) for p in points], marker="o", label=label
+        )
+    decorate(left, "time until all ranks imported (s)")
+    decorate(right, "shared-FS operations (all ranks)")
+    right.set_yscale("log")
+    fig.suptitle(
+        f"mpistage bench: metadata latency {meta['latency']}, "
+        f"{meta['nodes']} emulated nodes"
+    )
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def decorate(axes, ylabel):
+    """Label an axes of the plot."""
+    axes.set_xlabel("ranks")
+    axes.set_ylabel(ylabel)
+    axes.set_xscale("log", base=2)
+    axes.grid(True, alpha=0.3)

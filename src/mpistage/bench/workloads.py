@@ -1,0 +1,99 @@
+"""The workloads ``mpistage bench run`` starts: numpy, a generated package,
+or any code. Each puts its files in the source tree that the simulated shared
+file system mirrors, and gives the code every rank runs.
+"""
+
+import os as _os
+import shutil as _shutil
+
+
+class Workload:
+    """What to put on the shared file system and what each rank imports."""
+
+    name = "?"
+    packages = ()
+    pack_args = ()
+    code = "pass"
+
+    def build(self, site):
+        """Put the workload's files into the sys.path root *site*."""
+
+
+class Numpy(Workload):
+    """``import numpy, numpy.linalg``, from a copy of the installed numpy."""
+
+    name = "numpy"
+    packages = ("numpy",)
+    pack_args = ("--exclude", "*/tests")
+    code = "import numpy, numpy.linalg; numpy.linalg.inv(numpy.eye(4))"
+
+    def build(self, site):
+        """Copy numpy, its metadata and numpy.libs, as `pack` would take them."""
+        from mpistage.pack import Roots, add_package
+
+        roots = Roots(exclude=["*/tests"])
+        add_package(roots, "numpy")
+        copy_files(roots, site)
+
+
+class Generated(Workload):
+    """The Pynamic-like package from ``mpistage bench generate``."""
+
+    name = "generated"
+    package = "pynamic_ws"
+
+    def __init__(self, **sizes):
+        self.sizes = sizes
+        self.packages = (self.package,)
+        self.code = f"import {self.package}.driver as d; d.main()"
+
+    def build(self, site):
+        """Generate the package into *site*."""
+        from mpistage.bench.generate import generate
+
+        generate(site, name=self.package, **self.sizes)
+
+
+class Code(Workload):
+    """Any code, with the named installed packages copied to the shared FS."""
+
+    name = "code"
+
+    def __init__(self, code, packages):
+        self.code, self.packages = code, tuple(packages)
+
+    def build(self, site):
+        """Copy each named package as `pack` would take it."""
+        from mpistage.pack import Roots, add_package
+
+        roots = Roots()
+        for name in self.packages:
+            add_package(roots, name)
+        copy_files(roots, site)
+
+
+def copy_files(roots, dest):
+    """Copy the files chosen in *roots* below *dest*, keeping relative paths."""
+    for root in roots.paths:
+        for path in sorted(roots.files[root]):
+            target = _os.path.join(dest, _os.path.relpath(path, root))
+            if _os.path.islink(path):
+                _os.symlink(_os.readlink(path), target)
+            elif _os.path.isdir(path):
+                _os.makedirs(target, exist_ok=True)
+            else:
+                _os.makedirs(_os.path.dirname(target), exist_ok=True)
+                _shutil.copy2(path, target)
+
+
+def make(name, code=None, packages=(), sizes=None):
+    """Return the workload called *name* (``numpy``, ``generated``, ``code``)."""
+    from mpistage.errors import StageError
+
+    if name == "numpy":
+        return Numpy()
+    if name == "generated":
+        return Generated(**(sizes or {}))
+    if name == "code" and code:
+        return Code(code, packages)
+    raise StageError(f"unknown workload {name!r}: use numpy, generated or --code")

@@ -1,38 +1,102 @@
 """Step 5 of the runner: every rank imports from its node's staged copy.
 
-Each bundled sys.path root gets its staged copy inserted just ahead of it,
-and importlib's caches are dropped, so the next import of a bundled module
-finds the staged file first; its ``__file__`` points into the staging root
-and C extensions find their ``$ORIGIN``-relative libraries there too. A
-module that is not in the bundle still imports from its original location:
-correct, only slower, and counted as a miss in the report.
+A path hook, first in ``sys.path_hooks``, takes over each bundled sys.path
+root (whether it is on ``sys.path`` now or is added later by the program):
+
+- a name that is in the bundle is found in the staged copy, so its
+  ``__file__`` points into the staging root and C extensions find their
+  ``$ORIGIN``-relative libraries there too;
+- a name that the manifest's listing of the original root does not hold at
+  all is answered "not here" from memory, without touching the file system;
+- a name that the original root holds but the bundle does not imports from
+  its original location as usual: correct, only slower, and counted as a
+  miss in the report.
+
+``sys.path`` itself is left as it was.
 """
 
 import os as _os
 import sys as _sys
 
 
+class StagedFinder:
+    """The path entry finder of one bundled root: staged copy, then original."""
+
+    def __init__(self, original, staged, names):
+        self.path, self.staged, self.names = original, staged, names
+        self._finders = {}
+
+    def finder(self, path):
+        """Return the regular finder of *path*, made once by the other hooks."""
+        if path not in self._finders:
+            self._finders[path] = regular_finder(path)
+        return self._finders[path]
+
+    def find_spec(self, fullname, target=None):
+        """Find *fullname* in the staged copy, else where the listing says."""
+        spec = self.finder(self.staged).find_spec(fullname, target)
+        if spec is None and fullname.rpartition(".")[2] in self.names:
+            spec = self.finder(self.path).find_spec(fullname, target)
+        return spec
+
+    def invalidate_caches(self):
+        """Drop the cached directory listings of both finders."""
+        for finder in self._finders.values():
+            finder.invalidate_caches()
+
+
+def regular_finder(path):
+    """Return the finder the standard path hooks give *path*."""
+    for hook in _sys.path_hooks:
+        if not isinstance(hook, StagedHook):
+            try:
+                return hook(path)
+            except ImportError:
+                continue
+    raise ImportError(f"no path hook for {path!r}", path=path)
+
+
+class StagedHook:
+    """A path hook that hands out a :class:`StagedFinder` for bundled roots."""
+
+    def __init__(self, finders):
+        self.finders = finders
+
+    def __call__(self, path):
+        """Return the finder of *path* if it is a bundled root."""
+        finder = self.finders.get(_os.path.abspath(path or "."))
+        if finder is None:
+            raise ImportError("not a bundled root", path=path)
+        return finder
+
+
+def module_names(listing):
+    """Return the top-level names a root listing can provide."""
+    return {entry.rstrip("/").split(".", 1)[0] for entry in listing}
+
+
 class Activation:
     """What activation changed, kept to classify the job's imports later."""
 
-    def __init__(self, root, mapping, before):
-        self.root, self.mapping, self.before = root, mapping, before
+    def __init__(self, root, hook, before):
+        self.root, self.hook, self.before = root, hook, before
 
 
 def activate(root, roots):
-    """Put the staged copies of *roots* (original paths) ahead on sys.path."""
+    """Serve the bundled *roots* (path, listing) from the staging *root*."""
     import importlib
 
-    mapping = {path: _os.path.join(root, f"r{i}") for i, path in enumerate(roots)}
-    new_path = []
-    for entry in _sys.path:
-        staged = mapping.get(_os.path.abspath(entry)) if entry else None
-        if staged and staged not in new_path:
-            new_path.append(staged)
-        new_path.append(entry)
-    _sys.path[:] = new_path
+    finders = {}
+    for index, (path, listing) in enumerate(roots):
+        staged = _os.path.join(root, f"r{index}")
+        finders[path] = StagedFinder(path, staged, module_names(listing))
+    hook = StagedHook(finders)
+    _sys.path_hooks.insert(0, hook)
+    for path in list(_sys.path_importer_cache):
+        if _os.path.abspath(path or ".") in finders:
+            del _sys.path_importer_cache[path]
     importlib.invalidate_caches()
-    return Activation(root, mapping, set(_sys.modules))
+    return Activation(root, hook, set(_sys.modules))
 
 
 def stdlib_dirs():

@@ -151,7 +151,8 @@ class Job:
             manifest = manifest_of(buf, self.options.bundle)
             self.root = stage.make_root(tag, self.topology.index, len(buf))
             stage.write_tree(self.root, buf, manifest, self.options.bundle)
-            plan = (self.root, [r["path"] for r in manifest["roots"]])
+            roots = [(r["path"], r["listing"]) for r in manifest["roots"]]
+            plan = (self.root, roots)
         return plan
 
     def activate(self, plan):

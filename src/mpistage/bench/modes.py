@@ -41,7 +41,7 @@ class Mode:
 
     def env(self, bench, nodes):
         """Return extra environment variables of a run."""
-        return {"PYTHONPATH": self.site(bench), "MPISTAGE_EMULATE_NODES": str(nodes)}
+        return {"MPISTAGE_EMULATE_NODES": str(nodes)}
 
 
 class Plain(Mode):

@@ -11,6 +11,9 @@ measures:
 - ``import_s``: the slowest rank's own import time;
 - ``stage_s``: the runner's read + broadcast + stage + activate (``mpistage``);
 - shared-FS operations in total and for the busiest rank, and bytes read.
+
+The driver puts the workload's root on ``sys.path`` itself, as applications
+that ship their packages do, so interpreter start-up does not search it.
 """
 
 import json as _json
@@ -20,8 +23,9 @@ import sys as _sys
 import time as _time
 
 DRIVER = """\
-import os, time
+import os, sys, time
 t_ready = time.time()
+sys.path.insert(0, {site!r})
 {code}
 t_done = time.time()
 from mpi4py import MPI
@@ -102,7 +106,7 @@ def run_cell(bench, mode, ranks, nodes):
         PYTHONDONTWRITEBYTECODE="1",
         **mode.env(bench, nodes),
     )
-    code = DRIVER.format(code=bench.workload.code)
+    code = DRIVER.format(code=bench.workload.code, site=mode.site(bench))
     bench.fs.reset()
     start = _time.time()
     done = _subprocess.run(

@@ -112,9 +112,14 @@ class BundleWriter:
         self.path = _os.path.abspath(path)
         import tempfile
 
-        fd, self._tmp = tempfile.mkstemp(
-            dir=_os.path.dirname(self.path), prefix=".mpistage-", suffix=".tmp"
-        )
+        from mpistage.errors import StageError
+
+        try:
+            fd, self._tmp = tempfile.mkstemp(
+                dir=_os.path.dirname(self.path), prefix=".mpistage-", suffix=".tmp"
+            )
+        except OSError as exc:
+            raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
         self._file = _os.fdopen(fd, "wb")
         self._file.write(bytes(HEADER_SIZE))
         self.members = []

@@ -99,17 +99,17 @@ def add_package(roots, name):
         libs = _os.path.join(root, name + ".libs")
         if _os.path.isdir(libs):
             roots.take(root, libs)
+    cached = None if spec.submodule_search_locations else spec.cached
+    if cached and _os.path.exists(cached):
+        # a single-file module: its own .pyc, not all of the root's __pycache__
+        roots.take(root_of(spec.origin), cached)
 
 
 def module_locations(spec):
     """Return the files or directories that make up the module of *spec*."""
     if spec.submodule_search_locations:
         return list(spec.submodule_search_locations)
-    found = [spec.origin]
-    cached = spec.cached
-    if cached and _os.path.exists(cached):
-        found.append(_os.path.dirname(cached))
-    return found
+    return [spec.origin]
 
 
 def add_distribution(roots, root, name):

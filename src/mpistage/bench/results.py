@@ -48,14 +48,15 @@ def table(rows):
     """Return the medians as a markdown table."""
     lines = [
         "| workload | ranks | nodes | mode | total s | start s | import s "
-        "| stage s | shared-FS ops | ops, busiest rank | MB read |",
+        "| stage s | metadata ops | busiest rank | MB read |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in medians(rows):
         lines.append(
             f"| {r['workload']} | {r['ranks']} | {r['nodes']} | {r['mode']} "
             f"| {r['total_s']:.2f} | {r['start_s']:.2f} | {r['import_s']:.2f} "
-            f"| {r['stage_s']:.2f} | {r['ops_total']:.0f} | {r['ops_rank_max']:.0f} "
+            f"| {r['stage_s']:.2f} | {r['meta_ops']:.0f} "
+            f"| {r['meta_ops_rank_max']:.0f} "
             f"| {r['bytes_read'] / 1e6:.1f} |"
         )
     return "\n".join(lines)
@@ -77,10 +78,10 @@ def plot(rows, path, meta):
         label = f"{workload} / {mode}"
         left.plot(ranks, [p["total_s"] for p in points], marker="o", label=label)
         right.plot(
-            ranks, [max(p["ops_total"], 1) for p in points], marker="o", label=label
+            ranks, [max(p["meta_ops"], 1) for p in points], marker="o", label=label
         )
     decorate(left, "time until all ranks imported (s)")
-    decorate(right, "shared-FS operations (all ranks)")
+    decorate(right, "shared-FS metadata operations (all ranks)")
     right.set_yscale("log")
     fig.suptitle(
         f"mpistage bench: metadata latency {meta['latency']}, "

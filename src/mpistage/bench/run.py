@@ -10,7 +10,8 @@ measures:
   i.e. ``mpiexec`` plus interpreter start (plus staging, for ``mpistage``);
 - ``import_s``: the slowest rank's own import time;
 - ``stage_s``: the runner's read + broadcast + stage + activate (``mpistage``);
-- shared-FS operations in total and for the busiest rank, and bytes read.
+- shared-FS metadata operations (all but data reads) in total and for the
+  busiest rank, data reads and bytes read.
 
 The driver puts the workload's root on ``sys.path`` itself, as applications
 that ship their packages do, so interpreter start-up does not search it.
@@ -48,9 +49,10 @@ COLUMNS = (
     "start_s",
     "import_s",
     "stage_s",
-    "ops_total",
-    "ops_rank_max",
-    "ops_rank_mean",
+    "meta_ops",
+    "meta_ops_rank_max",
+    "meta_ops_rank_mean",
+    "read_ops",
     "bytes_read",
 )
 
@@ -127,17 +129,24 @@ def measure(bench, start, stats):
         result = _json.load(f)
     ranks = result["ranks"]
     per_pid = stats.get("per_pid", {})
-    rank_ops = [per_pid.get(str(pid), {}).get("total", 0) for _, pid, _, _ in ranks]
+    rank_ops = [meta_ops(per_pid.get(str(pid), {})) for _, pid, _, _ in ranks]
     return {
         "total_s": result["t_all"] - start,
         "start_s": max(r[2] for r in ranks) - start,
         "import_s": max(r[3] - r[2] for r in ranks),
         "stage_s": stage_seconds(bench.report_path),
-        "ops_total": stats.get("total", 0),
-        "ops_rank_max": max(rank_ops),
-        "ops_rank_mean": sum(rank_ops) / len(rank_ops),
+        "meta_ops": meta_ops(stats),
+        "meta_ops_rank_max": max(rank_ops),
+        "meta_ops_rank_mean": sum(rank_ops) / len(rank_ops),
+        "read_ops": stats.get("ops", {}).get("read", 0),
         "bytes_read": stats.get("bytes", 0),
     }
+
+
+def meta_ops(counts):
+    """Return the metadata operations (all but data reads) in *counts*."""
+    ops = counts.get("ops", {})
+    return sum(ops.values()) - ops.get("read", 0)
 
 
 def stage_seconds(path):
@@ -180,7 +189,7 @@ def run_workload(workload, *, ranks, nodes, modes, repeat, latency, cache, out):
             rows.append(row)
             progress(
                 f"[{workload.name}] {i}/{len(plan)} {mode.name:9} {n:3} ranks "
-                f"{k} nodes: {row['total_s']:.2f} s, {row['ops_total']} ops"
+                f"{k} nodes: {row['total_s']:.2f} s, {row['meta_ops']} metadata ops"
             )
     finally:
         bench.close()

@@ -73,15 +73,22 @@ def plot(rows, path, meta):
     series = {}
     for r in medians(rows):
         series.setdefault((r["workload"], r["mode"]), []).append(r)
+    styles = ["-", "--", ":", "-."]
+    workloads = sorted({w for w, _ in series})
+    modes = sorted({m for _, m in series})
     for (workload, mode), points in sorted(series.items()):
         ranks = [p["ranks"] for p in points]
-        label = f"{workload} / {mode}"
-        left.plot(ranks, [p["total_s"] for p in points], marker="o", label=label)
-        right.plot(
-            ranks, [max(p["meta_ops"], 1) for p in points], marker="o", label=label
-        )
+        style = {
+            "linestyle": styles[workloads.index(workload) % len(styles)],
+            "color": f"C{modes.index(mode)}",
+            "marker": "o",
+            "label": f"{workload} / {mode}",
+        }
+        left.plot(ranks, [p["total_s"] for p in points], **style)
+        right.plot(ranks, [max(p["meta_ops"], 1) for p in points], **style)
     decorate(left, "time until all ranks imported (s)")
-    decorate(right, "shared-FS metadata operations (all ranks)")
+    decorate(right, "shared-FS metadata ops, all ranks (0 as 1)")
+    left.set_yscale("log")
     right.set_yscale("log")
     fig.suptitle(
         f"mpistage bench: metadata latency {meta['latency']}, "
@@ -97,5 +104,8 @@ def decorate(axes, ylabel):
     """Label an axes of the plot."""
     axes.set_xlabel("ranks")
     axes.set_ylabel(ylabel)
+    from matplotlib.ticker import FormatStrFormatter
+
     axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_formatter(FormatStrFormatter("%d"))
     axes.grid(True, alpha=0.3)

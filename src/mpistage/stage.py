@@ -59,7 +59,10 @@ def user_dir(candidate):
         reason = "is a symlink" if _os.path.islink(path) else exc.strerror
         raise StageError(f"{path!r} {reason}") from None
     try:
-        check_owned(_os.fstat(fd), path)
+        st = _os.fstat(fd)
+        check_owned(st, path)
+        if st.st_mode & 0o077:
+            _os.fchmod(fd, 0o700)  # Ours, but readable by others: tighten.
     finally:
         _os.close(fd)
     return path

@@ -1,0 +1,60 @@
+"""Fixtures of the mpistage tests; the helpers live in ``stagetools``.
+
+Every test stages below its own ``tmp_path`` with the fallback candidates
+(/dev/shm, $TMPDIR, /tmp) disabled, so nothing lands anywhere else.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from stagetools import clean_environ, make_site, pack, reap_shm
+
+
+@pytest.fixture
+def stage_dir(tmp_path):
+    """This test's only staging candidate."""
+    path = tmp_path / "stage"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def stage_env(tmp_path, stage_dir):
+    """An environment that stages below *stage_dir* only, and collects output."""
+    out = tmp_path / "out"
+    out.mkdir()
+    environ = clean_environ()
+    environ.update(
+        MPISTAGE_STAGE_DIR=str(stage_dir),
+        MPISTAGE_STAGE_FALLBACK="no",
+        MPISTAGE_TEST_OUT=str(out),
+    )
+    return environ
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A site dir with tinypkg and othermod, and a bundle of tinypkg only."""
+    base = tmp_path_factory.mktemp("tiny")
+    site = make_site(base / "site")
+    env = clean_environ()
+    env["PYTHONPATH"] = str(site)
+    path = pack(base / "tiny.mpistage", "tinypkg", env=env)
+    return {"site": site, "bundle": path}
+
+
+@pytest.fixture(scope="session")
+def numpy_bundle(tmp_path_factory):
+    """A bundle of numpy, built once per session."""
+    pytest.importorskip("numpy")
+    path = tmp_path_factory.mktemp("numpy") / "numpy.mpistage"
+    return pack(path, "numpy")
+
+
+@pytest.fixture
+def reap_mpich_shm():
+    """Remove the MPICH segments that jobs ended by MPI_Abort leave in /dev/shm."""
+    before = set(Path("/dev/shm").glob("mpich_shm_*"))
+    yield
+    reap_shm(before)

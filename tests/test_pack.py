@@ -1,0 +1,238 @@
+"""``mpistage pack`` and ``mpistage inspect``."""
+
+import json
+import os
+import py_compile
+import re
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from mpistage import bundle
+from mpistage.errors import StageError
+from stagetools import clean_environ, mpistage, pack, sha256
+
+
+def files_of(manifest, prefix=""):
+    return {
+        m["rel"]: m
+        for m in manifest["members"]
+        if m["type"] == "file" and m["rel"].startswith(prefix)
+    }
+
+
+def test_numpy_bundle_contents(numpy_bundle):
+    import numpy
+
+    manifest = bundle.read_manifest(numpy_bundle)
+    site = Path(numpy.__file__).parent.parent
+    assert [r["path"] for r in manifest["roots"]] == [str(site)]
+    assert manifest["packages"] == ["numpy"]
+    assert manifest["python"] == bundle.python_tag()
+
+    rels = {m["rel"] for m in manifest["members"]}
+    dist = metadata.distribution("numpy")
+    info = f"numpy-{dist.version}.dist-info"
+    metadata_files = {
+        str(p.relative_to(site)) for p in (site / info).rglob("*") if p.is_file()
+    }
+    assert {f"{info}/METADATA", f"{info}/RECORD"} <= metadata_files <= rels
+    # auditwheel's numpy.libs, which the extensions reach through $ORIGIN
+    libs = sorted(os.listdir(site / "numpy.libs"))
+    assert libs, "this numpy wheel has no numpy.libs"
+    assert {f"numpy.libs/{name}" for name in libs} <= rels
+
+    # every file of the package, byte for byte
+    originals = [p for p in (site / "numpy").rglob("*") if p.is_file()]
+    bundled = files_of(manifest, "numpy/")
+    assert len(bundled) == len(originals)
+    umath = next(iter((site / "numpy" / "_core").glob("_multiarray_umath*.so")))
+    member = bundled[str(umath.relative_to(site))]
+    assert member["size"] == umath.stat().st_size
+    assert member["sha256"] == sha256(umath)
+
+    # nothing of other distributions in the same site-packages
+    tops = {rel.split("/")[0] for rel in rels}
+    assert all(re.match(r"numpy([-.]|$)", top) for top in tops), tops
+
+
+def test_inspect_summarizes(numpy_bundle):
+    result = mpistage(["inspect", numpy_bundle], env=clean_environ())
+    assert result.returncode == 0, result
+    manifest = bundle.read_manifest(numpy_bundle)
+    files = [m for m in manifest["members"] if m["type"] == "file"]
+    lines = result.stdout.splitlines()
+
+    assert lines[0] == f"bundle: {numpy_bundle}"
+    py = bundle.python_tag()
+    assert (
+        f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})" in lines
+    )
+    assert "packages: numpy" in lines
+    root = manifest["roots"][0]["path"]
+    assert lines[lines.index("roots:") + 1] == f"  r0 {root}"
+    assert f"files: {len(files)}, bytes: {sum(m['size'] for m in files)}" in lines
+
+    largest = lines[lines.index("largest:") + 1 :]
+    assert len(largest) == 10
+    sizes = [int(line.split()[0]) for line in largest]
+    assert sizes == sorted((m["size"] for m in files), reverse=True)[:10]
+    biggest = max(files, key=lambda m: m["size"])
+    assert largest[0].split()[1] == os.path.join(root, biggest["rel"])
+
+
+def test_inspect_json_is_the_manifest(tiny):
+    result = mpistage(["inspect", "--json", tiny["bundle"]], env=clean_environ())
+    assert result.returncode == 0, result
+    assert json.loads(result.stdout) == bundle.read_manifest(tiny["bundle"])
+
+
+@pytest.mark.parametrize(
+    "content,cause",
+    [
+        (None, "No such file or directory"),
+        (b"PK\x03\x04" + bytes(100), "not an mpistage bundle"),
+        (b"MPISTAGE", "truncated"),
+    ],
+)
+def test_inspect_bad_input(tmp_path, content, cause):
+    path = tmp_path / "x.mpistage"
+    if content is not None:
+        path.write_bytes(content)
+    result = mpistage(["inspect", path], env=clean_environ())
+    assert result.returncode == 1, result
+    assert result.stderr.splitlines() == [result.errors()[0]]
+    assert cause in result.errors()[0]
+
+
+def test_pack_directory_and_symlink(tmp_path):
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "pkg" / "__init__.py").write_text("X = 1\n")
+    (lib / "pkg" / "data.txt").write_bytes(b"\x00\x01" * 100)
+    (lib / "alias.py").symlink_to("pkg/__init__.py")
+    out = pack(tmp_path / "lib.mpistage", "--path", lib, cwd=tmp_path)
+    manifest = bundle.read_manifest(out)
+    assert [r["path"] for r in manifest["roots"]] == [str(lib)]
+    assert manifest["roots"][0]["listing"] == ["alias.py", "pkg/"]
+    members = {m["rel"]: m for m in manifest["members"]}
+    assert members["alias.py"]["type"] == "link"
+    assert members["alias.py"]["target"] == "pkg/__init__.py"
+    assert members["pkg"]["type"] == "dir"
+    data = out.read_bytes()
+    m = members["pkg/data.txt"]
+    assert data[m["offset"] : m["offset"] + m["size"]] == b"\x00\x01" * 100
+
+
+def test_single_module_takes_only_its_own_pyc(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("mod_a", "mod_b"):
+        source = site / f"{name}.py"
+        source.write_text(f"NAME = {name!r}\n")
+        py_compile.compile(str(source), cfile=_cached(source))
+    env = clean_environ()
+    env["PYTHONPATH"] = str(site)
+    out = pack(tmp_path / "a.mpistage", "mod_a", env=env)
+    files = set(files_of(bundle.read_manifest(out)))
+    assert files == {"mod_a.py", os.path.relpath(_cached(site / "mod_a.py"), site)}
+
+
+def _cached(source):
+    from importlib.util import cache_from_source
+
+    return cache_from_source(str(source))
+
+
+def listing(folder):
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+@pytest.mark.parametrize(
+    "args,cause",
+    [
+        (["no_such_package_zz"], "no importable package or module named"),
+        (["os.path"], "is not a top-level module name"),
+        (["--path", "missing-dir"], "is not a directory"),
+        ([], "nothing to pack"),
+    ],
+)
+def test_pack_errors_leave_nothing(tmp_path, args, cause):
+    before = listing(tmp_path)
+    result = mpistage(
+        ["pack", "-o", "out.mpistage", *args], env=clean_environ(), cwd=tmp_path
+    )
+    assert result.returncode == 1, result
+    assert result.stderr.splitlines() == result.errors(), result
+    assert len(result.errors()) == 1 and cause in result.errors()[0]
+    assert listing(tmp_path) == before  # no output, no temporary file
+
+
+def test_pack_refuses_other_suffix(tmp_path):
+    result = mpistage(
+        ["pack", "-o", "out.zip", "json"], env=clean_environ(), cwd=tmp_path
+    )
+    assert result.returncode == 1, result
+    assert result.errors() == [
+        "mpistage: error: bundle name 'out.zip' must end in '.mpistage'"
+    ]
+    assert listing(tmp_path) == []
+
+
+def test_pack_into_missing_directory(tmp_path):
+    out = tmp_path / "nowhere" / "out.mpistage"
+    result = mpistage(["pack", "-o", out, "json"], env=clean_environ())
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr
+    assert result.errors() == [
+        f"mpistage: error: cannot write bundle {str(out)!r}: No such file or directory"
+    ]
+
+
+def test_failed_pack_keeps_the_old_bundle(tmp_path, tiny):
+    out = tmp_path / "app.mpistage"
+    out.write_bytes(tiny["bundle"].read_bytes())
+    result = mpistage(["pack", "-o", out, "no_such_package_zz"], env=clean_environ())
+    assert result.returncode == 1
+    assert out.read_bytes() == tiny["bundle"].read_bytes()
+    assert listing(tmp_path) == ["app.mpistage"]
+
+
+def test_write_is_atomic_when_interrupted(tmp_path, tiny, monkeypatch):
+    from mpistage import pack as packmod
+
+    out = tmp_path / "app.mpistage"
+    out.write_bytes(b"old contents")
+    calls = []
+
+    def failing_add(self, root, rel, path):
+        calls.append(rel)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original_add(self, root, rel, path)
+
+    original_add = bundle.BundleWriter.add
+    monkeypatch.setattr(bundle.BundleWriter, "add", failing_add)
+    monkeypatch.syspath_prepend(str(tiny["site"]))
+    with pytest.raises(KeyboardInterrupt):
+        packmod.pack(str(out), ["tinypkg"])
+    assert len(calls) == 3
+    assert out.read_bytes() == b"old contents"
+    assert listing(tmp_path) == ["app.mpistage"]
+
+
+def test_pack_api_rejects_bad_names():
+    from mpistage.pack import pack as pack_api
+
+    with pytest.raises(StageError, match="not a top-level module name"):
+        pack_api("x.mpistage", ["a-b"])
+
+
+def test_bundle_python_tag_matches_this_python():
+    tag = bundle.python_tag()
+    assert tag["ext_suffix"] == sysconfig.get_config_var("EXT_SUFFIX")
+    assert bundle.python_mismatch({"python": tag}) is None
+    other = dict(tag, version="2.7")
+    assert "built for Python '2.7'" in bundle.python_mismatch({"python": other})

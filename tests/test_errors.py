@@ -184,7 +184,7 @@ def test_exception_without_bundle_ends_the_job(tmp_path, stage_env):
     [
         (["--bogus", "-c", "pass"], "unknown option '--bogus'"),
         (["--keep=yes", "-c", "pass"], "unknown option '--keep'"),
-        (["--bundle"], "--bundle needs a file"),
+        (["--bundle"], "--bundle needs a value"),
         ([], "no target"),
         (["--keep"], "no target"),
         (["-m"], "-m needs an argument"),

@@ -12,7 +12,9 @@ root (whether it is on ``sys.path`` now or is added later by the program):
   its original location as usual: correct, only slower, and counted as a
   miss in the report.
 
-``sys.path`` itself is left as it was.
+``importlib.metadata`` reads the staged copies too (:class:`MetadataFinder`),
+and ``importlib.resources`` and reads relative to ``__file__`` follow the
+staged module. ``sys.path`` itself is left as it was.
 """
 
 import os as _os
@@ -22,9 +24,14 @@ import sys as _sys
 class StagedFinder:
     """The path entry finder of one bundled root: staged copy, then original."""
 
-    def __init__(self, original, staged, names):
+    def __init__(self, original, staged, names, unbundled_dists):
         self.path, self.staged, self.names = original, staged, names
+        self.unbundled_dists = unbundled_dists
         self._finders = {}
+
+    def metadata_paths(self):
+        """Where ``importlib.metadata`` looks for this root's distributions."""
+        return [self.staged, self.path] if self.unbundled_dists else [self.staged]
 
     def finder(self, path):
         """Return the regular finder of *path*, made once by the other hooks."""
@@ -71,8 +78,68 @@ class StagedHook:
 
 
 def module_names(listing):
-    """Return the top-level names a root listing can provide."""
-    return {entry.rstrip("/").split(".", 1)[0] for entry in listing}
+    """Return the top-level module names a root listing can provide.
+
+    Directories count (packages, namespace portions), and files with a
+    suffix the import system loads; other files (data, ``.pth``) do not.
+    """
+    from importlib.machinery import all_suffixes
+
+    suffixes, names = tuple(all_suffixes()), set()
+    for entry in listing:
+        if entry.endswith("/") or entry.endswith(suffixes):
+            name = entry.rstrip("/").split(".", 1)[0]
+            if name.isidentifier():
+                names.add(name)
+    return names
+
+
+class MetadataFinder:
+    """Stands in for ``PathFinder`` in ``sys.meta_path``.
+
+    Finding modules is left to ``PathFinder`` unchanged; finding
+    distributions (``importlib.metadata``) looks at the staged copy of each
+    bundled root instead of the original. The original is still searched
+    after it when its listing has distributions the bundle lacks.
+    """
+
+    def __init__(self, base, finders):
+        self.base, self.finders = base, finders
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Find a module exactly as ``PathFinder`` does."""
+        return self.base.find_spec(fullname, path, target)
+
+    def find_distributions(self, context=None):
+        """Find distributions, reading bundled roots from their staged copy."""
+        from importlib.metadata import DistributionFinder
+
+        context = context or DistributionFinder.Context()
+        path = []
+        for entry in context.path:
+            finder = self.finders.get(_os.path.abspath(entry or "."))
+            path += finder.metadata_paths() if finder else [entry]
+        return self.base.find_distributions(
+            DistributionFinder.Context(name=context.name, path=path)
+        )
+
+
+def install_metadata_finder(finders):
+    """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
+    from importlib.machinery import PathFinder
+
+    for index, finder in enumerate(_sys.meta_path):
+        if finder is PathFinder:
+            _sys.meta_path[index] = MetadataFinder(finder, finders)
+
+
+def unbundled_dists(listing, staged):
+    """Whether the original root has distributions the staged copy lacks."""
+    wanted = {e for e in listing if e.endswith((".dist-info/", ".egg-info/"))}
+    return any(not _os.path.isdir(_os.path.join(staged, e)) for e in wanted)
 
 
 class Activation:
@@ -89,9 +156,11 @@ def activate(root, roots):
     finders = {}
     for index, (path, listing) in enumerate(roots):
         staged = _os.path.join(root, f"r{index}")
-        finders[path] = StagedFinder(path, staged, module_names(listing))
+        extra = unbundled_dists(listing, staged)
+        finders[path] = StagedFinder(path, staged, module_names(listing), extra)
     hook = StagedHook(finders)
     _sys.path_hooks.insert(0, hook)
+    install_metadata_finder(finders)
     for path in list(_sys.path_importer_cache):
         if _os.path.abspath(path or ".") in finders:
             del _sys.path_importer_cache[path]
@@ -99,18 +168,22 @@ def activate(root, roots):
     return Activation(root, hook, set(_sys.modules))
 
 
-def stdlib_dirs():
-    """Return the directories of the standard library (not site-packages)."""
-    import sysconfig
+def stdlib_dir():
+    """Return the standard library's directory (it holds lib-dynload too)."""
+    return _os.path.dirname(_os.__file__)
 
-    paths = sysconfig.get_paths()
-    return tuple({paths["stdlib"] + _os.sep, paths["platstdlib"] + _os.sep})
+
+def in_stdlib(path):
+    """Whether *path* is part of the standard library (not site-packages)."""
+    return path.startswith(stdlib_dir() + _os.sep) and not any(
+        part in ("site-packages", "dist-packages") for part in path.split(_os.sep)
+    )
 
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
     served, missed, stdlib = [], [], []
-    root, std = activation.root + _os.sep, stdlib_dirs()
+    root = activation.root + _os.sep
     for name, module in list(_sys.modules.items()):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
         if name in activation.before or name.partition(".")[0] == "mpistage":
@@ -119,7 +192,7 @@ def classify(activation):
             continue
         if origin.startswith(root):
             served.append(name)
-        elif origin.startswith(std) and "-packages" + _os.sep not in origin:
+        elif in_stdlib(origin):
             stdlib.append(name)
         else:
             missed.append(name)

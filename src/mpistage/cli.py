@@ -1,4 +1,5 @@
-"""The ``mpistage`` command: ``pack``, ``inspect``, ``clean``, or run a target.
+"""The ``mpistage`` command: ``pack``, ``record``, ``inspect``, ``clean``,
+``bench``, or run a target.
 
 ``mpistage pack|inspect|clean ...`` are tools; anything else (``mpistage
 app.py``, ``mpistage -m mod``, ``mpistage run ...``) is the runner, exactly
@@ -10,7 +11,7 @@ import sys as _sys
 
 from mpistage.errors import StageError
 
-TOOLS = ("pack", "inspect", "clean", "bench")
+TOOLS = ("pack", "record", "inspect", "clean", "bench")
 
 
 def main(argv=None):
@@ -40,6 +41,7 @@ def tool(name):
 
 TOOL_MODULES = {
     "pack": "pack_cli",
+    "record": "record_cli",
     "inspect": "summary",
     "clean": "clean",
     "bench": "bench.cli",

@@ -26,6 +26,14 @@ options:
   --bundle FILE   stage FILE (.mpistage) node-locally and import from it
                   (default: $MPISTAGE_BUNDLE; without a bundle the target
                   simply runs)
+  --auto          learn the bundle on the first run (rank 0 records), replay
+                  it on later runs, rebuild it when stale
+  --cache-dir DIR where --auto keeps bundles (default: $MPISTAGE_CACHE_DIR,
+                  else $XDG_CACHE_HOME/mpistage or ~/.cache/mpistage)
+  --validate=MODE staleness check by rank 0 before the broadcast: default
+                  (directory mtimes, member sizes and mtimes) or strict
+                  (also checksums)
+  --trust         skip the staleness check
   --keep          keep the staging roots after the job
   --report        print a summary of the job on rank 0 (stderr)
   --version       print the version and exit
@@ -39,6 +47,9 @@ class Options:
     """Runner options, from the command line and the environment."""
 
     bundle = None
+    auto = False
+    cache_dir = None
+    validate = "default"
     keep = False
     report = False
 
@@ -71,31 +82,39 @@ def parse(argv):
 
             print(f"mpistage {__version__}")
             _sys.exit(0)
-        elif opt == "--bundle":
+        elif opt in ("--bundle", "--cache-dir", "--validate"):
             if not eq:
                 value = args.pop(0) if args else ""
             if not value:
-                usage_error("--bundle needs a file")
-            options.bundle = value
-        elif opt in ("--keep", "--report") and not eq:
+                usage_error(f"{opt} needs a value")
+            setattr(options, opt[2:].replace("-", "_"), value)
+        elif opt in ("--keep", "--report", "--auto") and not eq:
             setattr(options, opt[2:], True)
+        elif opt == "--trust" and not eq:
+            options.validate = "trust"
         else:
             usage_error(f"unknown option {opt!r}")
     if not args:
         usage_error("no target: give app.py, -m module or -c code")
     if args[0] in ("-m", "-c") and len(args) < 2:
         usage_error(f"{args[0]} needs an argument")
-    options.bundle = options.bundle or _os.environ.get("MPISTAGE_BUNDLE") or None
+    if options.validate not in ("default", "strict", "trust"):
+        usage_error(f"--validate={options.validate!r}: use default or strict")
+    if options.auto and options.bundle:
+        usage_error("--auto and --bundle exclude each other")
+    if not options.auto:
+        options.bundle = options.bundle or _os.environ.get("MPISTAGE_BUNDLE") or None
     return options, args
 
 
 class Job:
     """One run of the runner on one rank: the steps and what they produced."""
 
-    def __init__(self, world, options):
-        self.world, self.options = world, options
+    def __init__(self, world, options, args):
+        self.world, self.options, self.args = world, options, list(args)
         self.seconds, self.root, self.activation = {}, None, None
         self.topology, self.bytes = None, 0
+        self.recorder, self.auto = None, None
 
     def timed(self, step, func, *args):
         """Run *func* collectively as *step*, recording this rank's seconds."""
@@ -110,9 +129,15 @@ class Job:
         from mpistage.topology import discover
 
         self.topology = self.timed("topology", discover, self.world)
-        if not self.options.bundle:
+        if self.options.auto and self.world.rank == 0:
+            from mpistage.cache import bundle_path
+
+            self.options.bundle = bundle_path(self.args, self.options.cache_dir)
+        if not (self.options.bundle or self.options.auto):
             return
         buf = self.timed("read", self.read)
+        if not self.world.bcast(buf is not None if self.world.rank == 0 else None):
+            return self.start_recording()
         buf = self.timed("broadcast", self.broadcast, buf)
         tag = self.world.bcast(job_tag() if self.world.rank == 0 else None, 0)
         plan = self.timed("stage", self.stage, buf, tag)
@@ -120,17 +145,52 @@ class Job:
         self.timed("activate", self.activate, plan)
 
     def read(self):
-        """Rank 0 reads and checks the bundle; the others wait."""
+        """Rank 0 reads and checks the bundle; the others wait.
+
+        Returns the bundle bytes on rank 0, or ``None`` when ``--auto`` has
+        no usable cached bundle and must record one.
+        """
         if self.world.rank != 0:
             return None
+        if not self.options.auto:
+            return self.checked_bundle()
+        if not _os.path.exists(self.options.bundle):
+            self.auto = "recorded (no cached bundle)"
+            return None
+        try:
+            buf = self.checked_bundle()
+        except StageError as exc:
+            self.auto = f"recorded ({exc})"
+            return None
+        self.auto = "replayed"
+        return buf
+
+    def checked_bundle(self):
+        """Read the bundle; refuse it if it is for another Python or stale."""
         from mpistage.bundle import manifest_of, python_mismatch
         from mpistage.read import read_bundle
+        from mpistage.validate import changed
 
-        buf = read_bundle(self.options.bundle)
-        mismatch = python_mismatch(manifest_of(buf, self.options.bundle))
+        path = self.options.bundle
+        buf = read_bundle(path)
+        manifest = manifest_of(buf, path)
+        mismatch = python_mismatch(manifest)
         if mismatch:
-            raise StageError(f"bundle {self.options.bundle!r} is {mismatch}")
+            raise StageError(f"bundle {path!r} is {mismatch}")
+        stale = changed(manifest, self.options.validate, limit=3)
+        if stale:
+            raise StageError(
+                f"bundle {path!r} is stale: {', '.join(map(repr, stale))} changed "
+                "since it was made; rebuild it, or run with --trust to use it anyway"
+            )
         return buf
+
+    def start_recording(self):
+        """``--auto`` without a usable bundle: rank 0 records this run."""
+        if self.world.rank == 0:
+            from mpistage.record import Recorder
+
+            self.recorder = Recorder()
 
     def broadcast(self, buf):
         """Leaders receive the bundle bytes from rank 0."""
@@ -181,6 +241,7 @@ class Job:
         barrier(self.world)
         ranks = self.world.gather(local, root=0)
         if self.world.rank == 0:
+            self.save_recording()
             summary = report.summarize(self.job_facts(), ranks)
             report.emit(summary, self.options.report)
         barrier(self.topology.node)
@@ -188,6 +249,13 @@ class Job:
             from mpistage.stage import remove_root
 
             remove_root(self.root)
+
+    def save_recording(self):
+        """Rank 0 of an ``--auto`` run that recorded writes the bundle."""
+        if self.recorder is not None:
+            from mpistage.cache import save
+
+            save(self.recorder, self.options.bundle, self.args)
 
     def local_report(self):
         """Return this rank's timings and import counts."""
@@ -203,6 +271,7 @@ class Job:
             "nodes": self.topology.count,
             "bundle": self.options.bundle,
             "bundle_bytes": self.bytes,
+            "auto": self.auto,
         }
 
 
@@ -242,7 +311,7 @@ def main(argv=None):
     import mpi4py.run  # noqa: F401  (loaded before activation: not a miss)
     from mpi4py import MPI
 
-    job = Job(MPI.COMM_WORLD, options)
+    job = Job(MPI.COMM_WORLD, options, args)
     try:
         job.start()
     except StageError as exc:

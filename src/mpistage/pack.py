@@ -93,16 +93,21 @@ def add_package(roots, name):
     if spec is None or not (spec.submodule_search_locations or spec.has_location):
         raise StageError(f"no importable package or module named {name!r} on sys.path")
     for location in module_locations(spec):
-        root = root_of(location)
-        roots.take(root, location)
-        add_distribution(roots, root, name)
-        libs = _os.path.join(root, name + ".libs")
-        if _os.path.isdir(libs):
-            roots.take(root, libs)
+        add_top(roots, root_of(location), name, [location])
     cached = None if spec.submodule_search_locations else spec.cached
     if cached and _os.path.exists(cached):
         # a single-file module: its own .pyc, not all of the root's __pycache__
         roots.take(root_of(spec.origin), cached)
+
+
+def add_top(roots, root, name, locations):
+    """Add *locations* of *name* in *root*, its distribution and its .libs."""
+    for location in locations:
+        roots.take(root, location)
+    add_distribution(roots, root, name)
+    libs = _os.path.join(root, name + ".libs")
+    if _os.path.isdir(libs):
+        roots.take(root, libs)
 
 
 def module_locations(spec):
@@ -138,6 +143,15 @@ def add_tree(roots, path):
         roots.take(path, _os.path.join(path, child))
 
 
+def root_entry(root):
+    """Describe a root for the manifest: path, mtime and full listing."""
+    return {
+        "path": root,
+        "mtime_ns": _os.stat(root).st_mtime_ns,
+        "listing": listing(root),
+    }
+
+
 def listing(root):
     """Return the names in *root*, directories marked with a trailing slash."""
     names = []
@@ -146,8 +160,12 @@ def listing(root):
     return sorted(names)
 
 
-def write(output, roots, names, created_by):
-    """Write the members of *roots* to the bundle *output*."""
+def write(output, roots, names, created_by, python=None, extra=None):
+    """Write the members of *roots* to the bundle *output*.
+
+    *python* is the tag of the Python the bundle is for (default: this one);
+    *extra* holds more manifest fields (how the bundle was recorded).
+    """
     import time
 
     from mpistage import __version__, bundle
@@ -158,9 +176,10 @@ def write(output, roots, names, created_by):
         "created_by": created_by,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "mpistage": __version__,
-        "python": bundle.python_tag(),
+        "python": python or bundle.python_tag(),
         "packages": names,
-        "roots": [{"path": p, "listing": listing(p)} for p in roots.paths],
+        "roots": [root_entry(p) for p in roots.paths],
+        **(extra or {}),
     }
     with bundle.BundleWriter(output) as writer:
         for index, root in enumerate(roots.paths):

@@ -22,6 +22,7 @@ def summarize(job, ranks):
         "nodes": job["nodes"],
         "bundle": job["bundle"],
         "bundle_bytes": job["bundle_bytes"],
+        "auto": job["auto"],
         "stage_roots": sorted({r["stage_root"] for r in ranks if r["stage_root"]}),
         "seconds": {k: round(v, 6) for k, v in seconds.items()},
         "modules": {
@@ -39,7 +40,8 @@ def render(report):
     lines = [
         "mpistage report",
         f"  ranks {report['ranks']}, nodes {report['nodes']}",
-        f"  bundle {report['bundle'] or '(none)'}, {report['bundle_bytes']} bytes",
+        f"  bundle {report['bundle'] or '(none)'}, {report['bundle_bytes']} bytes"
+        + (f", --auto: {report['auto']}" if report.get("auto") else ""),
         "  seconds (slowest rank): " + ", ".join(f"{s} {sec[s]:.3f}" for s in STEPS),
         f"  modules: {mods['served']} served from the staged copy, "
         f"{mods['missed']} missed, {mods['stdlib']} from the standard library",
@@ -48,7 +50,10 @@ def render(report):
         names = mods["missed_names"]
         shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
         lines.append(f"  missed: {shown}")
-        lines.append("  (add them to the bundle: mpistage pack ... NAME)")
+        lines.append(
+            "  hint: re-record with `mpistage record -o app.mpistage -- python "
+            "app.py` (or --auto), or add them: `mpistage pack ... NAME`"
+        )
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ root (whether it is on ``sys.path`` now or is added later by the program):
   all is answered "not here" from memory, without touching the file system;
 - a name that the original root holds but the bundle does not imports from
   its original location as usual: correct, only slower, and counted as a
-  miss in the report.
+  miss in the report. The same holds inside a package the bundle has only
+  in part (``mpistage record --granularity file``): a submodule that is not
+  in the staged copy is looked for in the original package directory.
 
 ``importlib.metadata`` reads the staged copies too (:class:`MetadataFinder`),
 and ``importlib.resources`` and reads relative to ``__file__`` follow the
@@ -40,9 +42,14 @@ class StagedFinder:
         return self._finders[path]
 
     def find_spec(self, fullname, target=None):
-        """Find *fullname* in the staged copy, else where the listing says."""
+        """Find *fullname* in the staged copy, else where the listing says.
+
+        Without a listing (*names* ``None``), always try the original.
+        """
         spec = self.finder(self.staged).find_spec(fullname, target)
-        if spec is None and fullname.rpartition(".")[2] in self.names:
+        if spec is None and (
+            self.names is None or fullname.rpartition(".")[2] in self.names
+        ):
             spec = self.finder(self.path).find_spec(fullname, target)
         return spec
 
@@ -64,14 +71,20 @@ def regular_finder(path):
 
 
 class StagedHook:
-    """A path hook that hands out a :class:`StagedFinder` for bundled roots."""
+    """A path hook that hands out a :class:`StagedFinder` for bundled roots.
 
-    def __init__(self, finders):
-        self.finders = finders
+    *partial* maps the staged copies of package directories that the bundle
+    holds only in part to their finders (a package's ``__path__`` points
+    into the staged copy, so its submodules are looked up there).
+    """
+
+    def __init__(self, finders, partial=None):
+        self.finders, self.partial = finders, partial or {}
 
     def __call__(self, path):
-        """Return the finder of *path* if it is a bundled root."""
-        finder = self.finders.get(_os.path.abspath(path or "."))
+        """Return the finder of *path* if it is a bundled root or partial."""
+        path = _os.path.abspath(path or ".")
+        finder = self.finders.get(path) or self.partial.get(path)
         if finder is None:
             raise ImportError("not a bundled root", path=path)
         return finder
@@ -149,16 +162,43 @@ class Activation:
         self.root, self.hook, self.before = root, hook, before
 
 
+def partial_dirs(manifest, index):
+    """Return the directories of root *index* that the bundle holds in part.
+
+    A directory the bundle holds whole is a member of its own; one that only
+    leads to file members (``--granularity file``) is not.
+    """
+    whole, parents = set(), set()
+    for member in manifest["members"]:
+        if member["root"] != index:
+            continue
+        if member["type"] == "dir":
+            whole.add(member["rel"])
+        else:
+            rel = _os.path.dirname(member["rel"])
+            while rel and rel not in parents:
+                parents.add(rel)
+                rel = _os.path.dirname(rel)
+    return sorted(parents - whole)
+
+
 def activate(root, roots):
-    """Serve the bundled *roots* (path, listing) from the staging *root*."""
+    """Serve the bundled *roots* from the staging *root*.
+
+    Each root is (path, listing, directories held in part: see
+    :func:`partial_dirs`).
+    """
     import importlib
 
-    finders = {}
-    for index, (path, listing) in enumerate(roots):
+    finders, partial = {}, {}
+    for index, (path, listing, part) in enumerate(roots):
         staged = _os.path.join(root, f"r{index}")
         extra = unbundled_dists(listing, staged)
         finders[path] = StagedFinder(path, staged, module_names(listing), extra)
-    hook = StagedHook(finders)
+        for rel in part:
+            inside, original = _os.path.join(staged, rel), _os.path.join(path, rel)
+            partial[inside] = StagedFinder(original, inside, None, False)
+    hook = StagedHook(finders, partial)
     _sys.path_hooks.insert(0, hook)
     install_metadata_finder(finders)
     for path in list(_sys.path_importer_cache):

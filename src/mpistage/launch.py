@@ -114,7 +114,7 @@ class Job:
         self.world, self.options, self.args = world, options, list(args)
         self.seconds, self.root, self.activation = {}, None, None
         self.topology, self.bytes = None, 0
-        self.recorder, self.auto = None, None
+        self.recorder, self.auto, self.validation = None, None, None
 
     def timed(self, step, func, *args):
         """Run *func* collectively as *step*, recording this rank's seconds."""
@@ -142,6 +142,10 @@ class Job:
         tag = self.world.bcast(job_tag() if self.world.rank == 0 else None, 0)
         plan = self.timed("stage", self.stage, buf, tag)
         del buf
+        stale = self.timed("validate", self.verdict)
+        if self.world.bcast(stale if self.world.rank == 0 else None):
+            self.discard()
+            return self.start_recording()
         self.timed("activate", self.activate, plan)
 
     def read(self):
@@ -166,10 +170,10 @@ class Job:
         return buf
 
     def checked_bundle(self):
-        """Read the bundle; refuse it if it is for another Python or stale."""
+        """Read the bundle, refuse another Python's, start the staleness check."""
         from mpistage.bundle import manifest_of, python_mismatch
         from mpistage.read import read_bundle
-        from mpistage.validate import changed
+        from mpistage.validate import Background
 
         path = self.options.bundle
         buf = read_bundle(path)
@@ -177,13 +181,38 @@ class Job:
         mismatch = python_mismatch(manifest)
         if mismatch:
             raise StageError(f"bundle {path!r} is {mismatch}")
-        stale = changed(manifest, self.options.validate, limit=3)
-        if stale:
-            raise StageError(
-                f"bundle {path!r} is stale: {', '.join(map(repr, stale))} changed "
-                "since it was made; rebuild it, or run with --trust to use it anyway"
-            )
+        if self.options.validate != "trust":
+            self.validation = Background(manifest, self.options.validate)
         return buf
+
+    def verdict(self):
+        """Rank 0 waits for the staleness check (it ran during the broadcast).
+
+        A stale bundle is an error with ``--bundle``; with ``--auto`` the
+        reason is returned and the job records a new one instead.
+        """
+        if self.world.rank != 0 or self.validation is None:
+            return None
+        stale = self.validation.result()
+        if not stale:
+            return None
+        message = (
+            f"bundle {self.options.bundle!r} is stale: "
+            f"{', '.join(map(repr, stale))} changed since it was made; "
+            "rebuild it, or run with --trust to use it anyway"
+        )
+        if not self.options.auto:
+            raise StageError(message)
+        self.auto = f"recorded ({message})"
+        return message
+
+    def discard(self):
+        """Leaders remove a staged copy that will not be used."""
+        if self.topology.is_leader and self.root:
+            from mpistage.stage import remove_root
+
+            remove_root(self.root)
+        self.root = None
 
     def start_recording(self):
         """``--auto`` without a usable bundle: rank 0 records this run."""
@@ -203,6 +232,7 @@ class Job:
     def stage(self, buf, tag):
         """Leaders write their node's copy; every rank learns where it is."""
         from mpistage import stage
+        from mpistage.activate import partial_dirs
         from mpistage.bundle import manifest_of
 
         plan = None
@@ -211,7 +241,10 @@ class Job:
             manifest = manifest_of(buf, self.options.bundle)
             self.root = stage.make_root(tag, self.topology.index, len(buf))
             stage.write_tree(self.root, buf, manifest, self.options.bundle)
-            roots = [(r["path"], r["listing"]) for r in manifest["roots"]]
+            roots = [
+                (r["path"], r["listing"], partial_dirs(manifest, i))
+                for i, r in enumerate(manifest["roots"])
+            ]
             plan = (self.root, roots)
         return plan
 
@@ -225,10 +258,8 @@ class Job:
 
     def fail(self, error):
         """End the job after an agreed error: one line, cleanup, exit 1."""
-        if self.topology is not None and self.topology.is_leader and self.root:
-            from mpistage.stage import remove_root
-
-            remove_root(self.root)
+        if self.topology is not None:
+            self.discard()
         if self.world.rank == 0:
             print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
         _sys.exit(1)

@@ -34,8 +34,10 @@ class Recorder:
         _sys.addaudithook(self.hook)
 
     def hook(self, event, args):
-        """Audit hook: remember opened and dlopened paths."""
+        """Audit hook: remember paths opened for reading, and dlopened ones."""
         if not self.active or event not in _EVENTS:
+            return
+        if event == "open" and writes(args):
             return
         path = args[0]
         if isinstance(path, bytes):
@@ -51,6 +53,14 @@ class Recorder:
         paths = self.paths | module_files() | mapped_files()
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         return {"python": python_tag(), "sys_path": entries, "files": sorted(paths)}
+
+
+def writes(args):
+    """Whether an ``open`` audit event's (path, mode, flags) opens for writing."""
+    _, mode, flags = args
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return bool(isinstance(flags, int) and flags & (_os.O_WRONLY | _os.O_RDWR))
 
 
 def module_files():

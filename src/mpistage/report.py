@@ -8,7 +8,7 @@ prints one screen (``--report``) or writes JSON (``MPISTAGE_REPORT=path``).
 import os as _os
 import sys as _sys
 
-STEPS = ("topology", "read", "broadcast", "stage", "activate", "run")
+STEPS = ("topology", "read", "broadcast", "stage", "validate", "activate", "run")
 
 
 def summarize(job, ranks):

@@ -130,3 +130,31 @@ def changed_members(manifest, index, strict, limit):
     finally:
         dirs.close()
     return found
+
+
+class Background:
+    """:func:`changed` in a thread, so rank 0's checks overlap the broadcast.
+
+    The thread only looks at files; it makes no MPI calls.
+    """
+
+    def __init__(self, manifest, mode):
+        import threading
+
+        self.found, self.error = [], None
+        self.thread = threading.Thread(target=self._run, args=(manifest, mode))
+        self.thread.daemon = True
+        self.thread.start()
+
+    def _run(self, manifest, mode):
+        try:
+            self.found = changed(manifest, mode, limit=3)
+        except BaseException as exc:  # handed to the main thread in result()
+            self.error = exc
+
+    def result(self):
+        """Wait for the check; return the changed paths."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.found

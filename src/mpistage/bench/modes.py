@@ -97,4 +97,28 @@ class Local(Mode):
         return self.copy
 
 
-MODES = {mode.name: mode for mode in (Plain, Staged, Local)}
+class Auto(Staged):
+    """``--auto``, second run: the cache was filled by an untimed first run."""
+
+    name = "auto"
+
+    def prepare(self, bench):
+        """Learn the bundle in one untimed run, then serve it from the shared FS."""
+        import glob
+
+        from mpistage.bench.run import run_cell
+
+        self.cache = _os.path.join(bench.work, "learn-cache")
+        run_cell(bench, self, 1, 1)
+        shared = _os.path.join(bench.source, "cache")
+        _os.makedirs(shared, exist_ok=True)
+        for path in glob.glob(_os.path.join(self.cache, "*.mpistage")):
+            _shutil.copy2(path, shared)
+        self.cache = _os.path.join(bench.mount, "cache")
+
+    def runner(self, bench):
+        """Run the target through ``python -m mpistage --auto``."""
+        return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
+
+
+MODES = {mode.name: mode for mode in (Plain, Staged, Local, Auto)}

@@ -155,7 +155,8 @@ def stage_seconds(path):
         return 0.0
     with open(path) as f:
         seconds = _json.load(f)["seconds"]
-    return sum(seconds[s] for s in ("read", "broadcast", "stage", "activate"))
+    steps = ("read", "broadcast", "stage", "validate", "activate")
+    return sum(seconds.get(s, 0.0) for s in steps)
 
 
 def cells(ranks_list, nodes, modes, repeat):

@@ -9,6 +9,17 @@ def largest(manifest, count=10):
     return sorted(files, key=lambda m: m["size"], reverse=True)[:count]
 
 
+def recorded(manifest):
+    """Return the lines saying how a recorded bundle was learned, if it was."""
+    info = manifest.get("recorded")
+    if not info:
+        return []
+    import shlex
+
+    command = shlex.join(str(a) for a in info.get("command", []))
+    return [f"recorded: {command} (granularity {info.get('granularity')})"]
+
+
 def render(manifest):
     """Return the summary of *manifest* as text."""
     from mpistage.bundle import original_path
@@ -18,6 +29,7 @@ def render(manifest):
     lines = [
         f"made by: mpistage {manifest['created_by']} {manifest.get('mpistage', '')}"
         f" on {manifest['created']}",
+        *recorded(manifest),
         f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})",
         f"packages: {', '.join(manifest['packages']) or '(whole directories)'}",
         "roots:",

@@ -299,6 +299,7 @@ def test_misses_are_reported(tmp_path, stage_env, tiny):
         "read",
         "broadcast",
         "stage",
+        "validate",
         "activate",
         "run",
     }

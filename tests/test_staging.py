@@ -221,4 +221,4 @@ def test_candidates_without_room_are_refused(monkeypatch, tmp_path):
 def test_staged_tree_cannot_escape_its_root(tmp_path):
     member = {"rel": "../../etc/evil", "root": 0}
     with pytest.raises(StageError, match="escapes its root"):
-        stage.staged_path(str(tmp_path), member)
+        stage.staged_path(str(tmp_path), ["r0"], member)

@@ -132,8 +132,12 @@ class BundleWriter:
             self._file.close()
             _os.unlink(self._tmp)
 
-    def add(self, root, rel, path):
-        """Add the file, directory or symlink at *path* as *rel* under *root*."""
+    def add(self, root, rel, path, data=None):
+        """Add the file, directory or symlink at *path* as *rel* under *root*.
+
+        *data*, when given, replaces the file's content (a relocated script
+        or binary); its mode and mtime still come from *path*.
+        """
         st = _os.lstat(path)
         member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
         member["mtime_ns"] = st.st_mtime_ns
@@ -141,9 +145,22 @@ class BundleWriter:
             member.update(type="link", target=_os.readlink(path), size=0)
         elif _os.path.isdir(path):
             member.update(type="dir", size=0)
+        elif data is not None:
+            member.update(type="file", **self._write(data))
         else:
             member.update(type="file", **self._copy(path))
         self.members.append(member)
+
+    def add_link(self, root, rel, target):
+        """Add a symlink *rel* under *root* pointing to *target*."""
+        member = {"rel": rel, "root": root, "mode": 0o777, "mtime_ns": 0}
+        self.members.append(dict(member, type="link", target=target, size=0))
+
+    def _write(self, data):
+        digest = _hashlib.sha256(data).hexdigest()
+        offset = self._file.tell()
+        self._file.write(data)
+        return {"offset": offset, "size": len(data), "sha256": digest}
 
     def _copy(self, path):
         offset, digest, size = self._file.tell(), _hashlib.sha256(), 0

@@ -122,25 +122,34 @@ def job_dir(parent, job, node):
     return path
 
 
+def destinations(manifest):
+    """Return, per bundled root, its directory below the staging root.
+
+    Runner bundles keep root *i* in ``r<i>``; environment bundles say where
+    each root goes (``dest``), so that several roots merge into one prefix.
+    """
+    return [root.get("dest", f"r{i}") for i, root in enumerate(manifest["roots"])]
+
+
 def write_tree(root, buf, manifest, name):
     """Verify and write every member of the bundle *buf* below *root*."""
-    view = memoryview(buf)
-    for index in range(len(manifest["roots"])):
-        _os.mkdir(_os.path.join(root, f"r{index}"), 0o700)
+    view, dests = memoryview(buf), destinations(manifest)
+    for dest in dict.fromkeys(dests):
+        _os.makedirs(_os.path.join(root, dest), mode=0o700, exist_ok=True)
     for member in manifest["members"]:
-        write_member(staged_path(root, member), view, member, name)
+        write_member(staged_path(root, dests, member), view, member, name)
     for member in reversed(manifest["members"]):
         if member["type"] == "dir":
-            path = staged_path(root, member)
+            path = staged_path(root, dests, member)
             _os.utime(path, ns=(member["mtime_ns"], member["mtime_ns"]))
 
 
-def staged_path(root, member):
+def staged_path(root, dests, member):
     """Return where *member* lands below the staging *root*."""
-    rel = _os.path.normpath(member["rel"])
+    rel = _os.path.normpath(_os.path.join(dests[member["root"]], member["rel"]))
     if rel.startswith(("..", "/")):
         raise StageError(f"bundle member {member['rel']!r} escapes its root")
-    return _os.path.join(root, f"r{member['root']}", rel)
+    return _os.path.join(root, rel)
 
 
 def write_member(path, view, member, name):

@@ -51,16 +51,36 @@ def clean(dry_run=False):
     return found
 
 
+def clean_stage(folder, dry_run=False):
+    """Remove an environment staged by ``mpistage stage`` into *folder*."""
+    from mpistage.envstage import marker_of
+    from mpistage.errors import StageError
+    from mpistage.stage import remove_root
+
+    if _os.path.islink(folder) or not _os.path.isdir(folder):
+        raise StageError(f"{folder!r} is not a directory")
+    if _os.stat(folder).st_uid != _os.getuid():
+        raise StageError(f"{folder!r} belongs to another user")
+    if marker_of(folder) is None:
+        raise StageError(f"{folder!r} is not a stage made by `mpistage stage`")
+    if not dry_run:
+        remove_root(folder)
+    return [folder]
+
+
 def cli(argv):
-    """Run ``mpistage clean [--dry-run]``; return the exit status."""
+    """Run ``mpistage clean [DIR] [--dry-run]``; return the exit status."""
     import argparse
 
     p = argparse.ArgumentParser(
         prog="mpistage clean",
-        description="Remove this user's staging roots of jobs that have ended.",
+        description="Remove this user's staging roots of jobs that have ended, "
+        "or, given DIR, an environment staged there (run it once per node).",
     )
+    p.add_argument("dir", nargs="?", help="a directory `mpistage stage` filled")
     p.add_argument("--dry-run", action="store_true", help="list, do not remove")
     args = p.parse_args(argv)
-    for root in clean(args.dry_run):
+    found = clean_stage(args.dir, args.dry_run) if args.dir else clean(args.dry_run)
+    for root in found:
         print(("would remove " if args.dry_run else "removed ") + root)
     return 0

@@ -1,5 +1,5 @@
-"""The ``mpistage`` command: ``pack``, ``record``, ``inspect``, ``clean``,
-``bench``, or run a target.
+"""The ``mpistage`` command: ``pack``, ``record``, ``inspect``, ``stage``,
+``clean``, ``bench``, or run a target.
 
 ``mpistage pack|inspect|clean ...`` are tools; anything else (``mpistage
 app.py``, ``mpistage -m mod``, ``mpistage run ...``) is the runner, exactly
@@ -11,7 +11,7 @@ import sys as _sys
 
 from mpistage.errors import StageError
 
-TOOLS = ("pack", "record", "inspect", "clean", "bench")
+TOOLS = ("pack", "record", "inspect", "stage", "clean", "bench")
 
 
 def main(argv=None):
@@ -43,6 +43,7 @@ TOOL_MODULES = {
     "pack": "pack_cli",
     "record": "record_cli",
     "inspect": "summary",
+    "stage": "stage_cli",
     "clean": "clean",
     "bench": "bench.cli",
 }

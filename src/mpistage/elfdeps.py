@@ -15,14 +15,34 @@ import fnmatch as _fnmatch
 import os as _os
 
 DEFAULT_EXCLUDE = (
-    "ld-linux*.so*", "ld64.so*", "libc.so*", "libm.so*", "libmvec.so*",
-    "libpthread.so*", "libdl.so*", "librt.so*", "libutil.so*", "libresolv.so*",
-    "libanl.so*", "libnsl.so*", "libnss_*.so*", "libBrokenLocale.so*",
-    "libthread_db.so*", "libc_malloc_debug.so*", "linux-vdso.so*",
+    "ld-linux*.so*",
+    "ld64.so*",
+    "libc.so*",
+    "libm.so*",
+    "libmvec.so*",
+    "libpthread.so*",
+    "libdl.so*",
+    "librt.so*",
+    "libutil.so*",
+    "libresolv.so*",
+    "libanl.so*",
+    "libnsl.so*",
+    "libnss_*.so*",
+    "libBrokenLocale.so*",
+    "libthread_db.so*",
+    "libc_malloc_debug.so*",
+    "linux-vdso.so*",
 )
-DEFAULT_DIRS = ("/lib64", "/usr/lib64", "/lib", "/usr/lib",
-                "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
-                "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu")
+DEFAULT_DIRS = (
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+)
 
 
 def is_elf(path):
@@ -70,8 +90,9 @@ def ld_cache():
 
     found = {}
     try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True,
-                             check=False).stdout
+        out = subprocess.run(
+            ["ldconfig", "-p"], capture_output=True, text=True, check=False
+        ).stdout
     except OSError:
         return found
     tag = {"x86_64": "x86-64", "aarch64": "AArch64"}.get(_os.uname().machine, "")
@@ -87,8 +108,11 @@ class Closure:
 
     def __init__(self, exclude=(), library_path=None):
         self.exclude = tuple(DEFAULT_EXCLUDE) + tuple(exclude)
-        lp = _os.environ.get("LD_LIBRARY_PATH", "") if library_path is None \
+        lp = (
+            _os.environ.get("LD_LIBRARY_PATH", "")
+            if library_path is None
             else library_path
+        )
         self.library_path = [d for d in lp.split(":") if d]
         self.cache = ld_cache()
         self.found, self.missing = {}, set()

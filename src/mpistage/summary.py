@@ -9,6 +9,19 @@ def largest(manifest, count=10):
     return sorted(files, key=lambda m: m["size"], reverse=True)[:count]
 
 
+def environment(manifest):
+    """Return the line about packages, or about the packed environment."""
+    env = manifest.get("env")
+    if env:
+        base = f" with base {env['base']}" if env.get("base") else ""
+        libs = ", ".join(env["libraries"]) or "none"
+        return [
+            f"environment: {env['kind']} {env['prefix']}{base}",
+            f"libraries from outside it: {libs}",
+        ]
+    return [f"packages: {', '.join(manifest['packages']) or '(whole directories)'}"]
+
+
 def recorded(manifest):
     """Return the lines saying how a recorded bundle was learned, if it was."""
     info = manifest.get("recorded")
@@ -31,7 +44,7 @@ def render(manifest):
         f" on {manifest['created']}",
         *recorded(manifest),
         f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})",
-        f"packages: {', '.join(manifest['packages']) or '(whole directories)'}",
+        *environment(manifest),
         "roots:",
         *(f"  r{i} {root['path']}" for i, root in enumerate(manifest["roots"])),
         f"files: {len(files)}, bytes: {sum(m['size'] for m in files)}",

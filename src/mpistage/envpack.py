@@ -1,0 +1,273 @@
+"""``mpistage pack --env``: a whole Python environment as one bundle.
+
+The bundle lays the environment out as one self-contained prefix, which
+``mpistage stage`` unpacks node-locally:
+
+- a venv is merged with the base interpreter it points to: the venv's tree,
+  plus the base's executable, standard library (not its site-packages) and
+  ``libpython``; ``pyvenv.cfg`` is left out, so the staged ``bin/python``
+  finds its standard library next to itself;
+- a conda environment, or any other prefix, is taken whole;
+- the shared libraries all of its ELF files need, outside the environment,
+  go to ``lib/`` (see :mod:`mpistage.elfdeps`), except what every node has
+  (glibc and the loader by default).
+
+Relocation happens here, once: scripts whose ``#!`` names the environment's
+Python get a shebang that finds ``python`` next to themselves, and absolute
+RUNPATH/RPATH entries that point into the environment or at a bundled
+library directory are rewritten in place to ``$ORIGIN``-relative ones.
+"""
+
+import os as _os
+import sys as _sys
+
+from mpistage.errors import StageError
+
+DEFAULT_EXCLUDE = ("lib/python3.*/test", "lib/python3.*/config-*")
+SHEBANG = (
+    b"#!/bin/sh\n"
+    b'\'\'\'exec\' "$(dirname -- "$(readlink -f -- "$0")")/python" '
+    b"\"$0\" \"$@\"\n' '''\n"
+)
+
+
+class Env:
+    """What an environment prefix is: its kind, its base, its Python."""
+
+    def __init__(self, prefix):
+        self.prefix = _os.path.abspath(prefix)
+        if not _os.path.isdir(self.prefix):
+            raise StageError(f"--env {prefix!r} is not a directory")
+        self.cfg = read_cfg(_os.path.join(self.prefix, "pyvenv.cfg"))
+        self.kind = (
+            "venv"
+            if self.cfg
+            else (
+                "conda"
+                if _os.path.isdir(_os.path.join(self.prefix, "conda-meta"))
+                else "prefix"
+            )
+        )
+        self.base = base_prefix(self.cfg) if self.cfg else None
+        self.version = "{}.{}".format(*_sys.version_info[:2])
+
+
+def read_cfg(path):
+    """Return ``pyvenv.cfg`` as a dict, or ``{}`` when there is none."""
+    if not _os.path.isfile(path):
+        return {}
+    cfg = {}
+    with open(path) as f:
+        for line in f:
+            key, sep, value = line.partition("=")
+            if sep:
+                cfg[key.strip()] = value.strip()
+    return cfg
+
+
+def base_prefix(cfg):
+    """Return the prefix of the interpreter a venv was made from."""
+    executable = cfg.get("executable") or _os.path.join(cfg.get("home", ""), "python3")
+    return _os.path.dirname(_os.path.dirname(_os.path.realpath(executable)))
+
+
+def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
+    """Write the environment at *prefix* (default ``sys.prefix``) to *output*."""
+    from mpistage.pack import Roots
+
+    env = Env(prefix or _sys.prefix)
+    roots = Roots(exclude=DEFAULT_EXCLUDE + tuple(exclude))
+    take_env(roots, env)
+    if env.base:
+        take_base(roots, env)
+    libs, missing = take_libraries(roots, env, exclude_libs)
+    manifest = write_env(output, roots, env, libs)
+    return manifest, missing
+
+
+def take_env(roots, env):
+    """Take the environment's own tree (a venv without its interpreter links)."""
+    skip = {"pyvenv.cfg"} if env.base else set()
+    for entry in sorted(_os.listdir(env.prefix)):
+        if entry not in skip:
+            roots.take(env.prefix, _os.path.join(env.prefix, entry))
+    if env.base:
+        bindir = _os.path.join(env.prefix, "bin")
+        for name in _os.listdir(bindir):
+            if name.startswith("python"):
+                roots.files[env.prefix].discard(_os.path.join(bindir, name))
+
+
+def take_base(roots, env):
+    """Take the base interpreter, its stdlib and libpython, not its packages."""
+    base, lib = env.base, f"python{env.version}"
+    roots.take(base, _os.path.realpath(_os.path.join(base, "bin", lib)))
+    stdlib = _os.path.join(base, "lib", lib)
+    for entry in sorted(_os.listdir(stdlib)):
+        if entry != "site-packages":
+            roots.take(base, _os.path.join(stdlib, entry))
+    libdir = _os.path.join(base, "lib")
+    for entry in sorted(_os.listdir(libdir)):
+        if entry.startswith("libpython"):
+            roots.take(base, _os.path.join(libdir, entry))
+
+
+def elf_members(roots):
+    """Yield every regular ELF file chosen so far."""
+    from mpistage.elfdeps import is_elf
+
+    for root in roots.paths:
+        for path in roots.files[root]:
+            if not _os.path.islink(path) and _os.path.isfile(path) and is_elf(path):
+                yield path
+
+
+def take_libraries(roots, env, exclude_libs):
+    """Add the shared libraries the ELF files need from outside the roots."""
+    from mpistage.elfdeps import closure
+
+    lib_path = [_os.path.join(p, "lib") for p in (env.prefix, env.base) if p]
+    extra = ":".join(lib_path + [_os.environ.get("LD_LIBRARY_PATH", "")])
+    found, missing = closure(sorted(elf_members(roots)), exclude_libs, extra)
+    outside = {}
+    for name, path in found.items():
+        if not any(path.startswith(r + _os.sep) for r in roots.paths[:2]):
+            outside[name] = path
+    for _name, path in sorted(outside.items()):
+        folder = _os.path.dirname(path)
+        roots.index(folder)
+        roots.files[folder].add(path)
+    return outside, missing
+
+
+def destination(roots, env, root):
+    """Return where *root* goes in the staged prefix."""
+    return "" if root in (env.prefix, env.base) else "lib"
+
+
+def new_dir(roots, env, path):
+    """Return the staged directory (prefix-relative) of an original dir *path*."""
+    for root in (env.prefix, env.base):
+        if root and (path == root or path.startswith(root + _os.sep)):
+            return _os.path.relpath(path, root)
+    if path in roots.paths:
+        return "lib"
+    return None
+
+
+def relocated(roots, env, root, path):
+    """Return *path*'s content fixed for its new place, or ``None`` if unchanged."""
+    from mpistage.elfdeps import is_elf
+
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]:
+        return fix_shebang(path, env)
+    if is_elf(path):
+        own = _os.path.dirname(
+            _os.path.join(destination(roots, env, root), _os.path.relpath(path, root))
+        )
+        return fix_runpath(path, lambda d: new_dir(roots, env, d), own)
+    return None
+
+
+def fix_shebang(path, env):
+    """Give a script of this environment a shebang that works anywhere."""
+    with open(path, "rb") as f:
+        first, _, rest = f.read().partition(b"\n")
+    target = first[2:].strip().split(b" ")[0].decode(errors="replace")
+    if not any(target.startswith(p + _os.sep) for p in (env.prefix, env.base) if p):
+        return None
+    return SHEBANG + rest
+
+
+def fix_runpath(path, mapping, own_dir):
+    """Rewrite absolute RUNPATH/RPATH entries in place as ``$ORIGIN`` paths.
+
+    Returns the new content, or ``None`` when nothing needed to change. An
+    entry whose new form would not fit in the old string is left as it is.
+    """
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+        elf = ELFFile(f)
+        strtab = elf.get_section_by_name(".dynstr")
+        if strtab is None:
+            return None
+        changed = False
+        for section in elf.iter_sections():
+            if isinstance(section, DynamicSection):
+                for tag in section.iter_tags():
+                    if tag.entry.d_tag in ("DT_RPATH", "DT_RUNPATH"):
+                        offset = strtab["sh_offset"] + tag.entry.d_val
+                        changed |= patch_string(data, offset, mapping, own_dir)
+    return bytes(data) if changed else None
+
+
+def patch_string(data, offset, mapping, own_dir):
+    """Rewrite one NUL-terminated search path at *offset* of *data*."""
+    end = data.index(b"\0", offset)
+    old = data[offset:end].decode()
+    entries = []
+    for entry in old.split(":"):
+        target = mapping(entry) if entry.startswith("/") else None
+        if target is not None:
+            entry = "$ORIGIN/" + _os.path.relpath(target, own_dir or ".")
+        entries.append(entry)
+    new = ":".join(entries).encode()
+    if new == old.encode() or len(new) > end - offset:
+        return False
+    data[offset:end] = new + b"\0" * (end - offset - len(new))
+    return True
+
+
+def write_env(output, roots, env, libs):
+    """Write the environment bundle."""
+    import time
+
+    from mpistage import __version__, bundle
+
+    if not output.endswith(bundle.SUFFIX):
+        raise StageError(f"bundle name {output!r} must end in {bundle.SUFFIX!r}")
+    manifest = {
+        "kind": "env",
+        "created_by": "pack --env",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mpistage": __version__,
+        "python": bundle.python_tag(),
+        "packages": [],
+        "env": {
+            "kind": env.kind,
+            "prefix": env.prefix,
+            "base": env.base,
+            "libraries": sorted(libs),
+        },
+        "roots": [
+            {"path": r, "dest": destination(roots, env, r), "listing": []}
+            for r in roots.paths
+        ],
+    }
+    with bundle.BundleWriter(output) as writer:
+        for index, root in enumerate(roots.paths):
+            for path in sorted(roots.files[root]):
+                add_member(writer, roots, env, index, root, path)
+        if env.base:
+            for name in ("python", "python3"):
+                writer.add_link(0, f"bin/{name}", f"python{env.version}")
+        return writer.finish(manifest)
+
+
+def add_member(writer, roots, env, index, root, path):
+    """Add one file, relocated if it needs to be."""
+    if path == root:
+        return
+    rel = _os.path.relpath(path, root)
+    if destination(roots, env, root) == "lib":
+        # The soname the loader asks for, with the content it resolves to.
+        rel, path = _os.path.basename(path), _os.path.realpath(path)
+    data = None
+    if _os.path.isfile(path) and not _os.path.islink(path):
+        data = relocated(roots, env, root, path)
+    writer.add(index, rel, path, data=data)

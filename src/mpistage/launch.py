@@ -178,6 +178,11 @@ class Job:
         path = self.options.bundle
         buf = read_bundle(path)
         manifest = manifest_of(buf, path)
+        if manifest.get("kind") == "env":
+            raise StageError(
+                f"{path!r} is an environment bundle: stage it with "
+                "`mpistage stage` and run DIR/bin/python"
+            )
         mismatch = python_mismatch(manifest)
         if mismatch:
             raise StageError(f"bundle {path!r} is {mismatch}")

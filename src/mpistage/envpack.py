@@ -23,7 +23,11 @@ import sys as _sys
 
 from mpistage.errors import StageError
 
-DEFAULT_EXCLUDE = ("lib/python3.*/test", "lib/python3.*/config-*")
+DEFAULT_EXCLUDE = (
+    "lib/python3.*/test",
+    "lib/python3.*/config-*",
+    "*/__pycache__/*.opt-[12].pyc",
+)
 SHEBANG = (
     b"#!/bin/sh\n"
     b'\'\'\'exec\' "$(dirname -- "$(readlink -f -- "$0")")/python" '

@@ -50,9 +50,12 @@ def prepare(folder, digest, need):
     if _os.path.islink(folder):
         raise StageError(f"{folder!r} is a symlink")
     try:
+        _os.makedirs(_os.path.dirname(folder), exist_ok=True)
         _os.mkdir(folder, 0o700)
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise StageError(f"cannot create {folder!r}: {exc.strerror}") from None
     fd = _os.open(folder, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW)
     try:
         check_owned(_os.fstat(fd), folder)

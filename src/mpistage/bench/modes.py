@@ -43,6 +43,15 @@ class Mode:
         """Return extra environment variables of a run."""
         return {"MPISTAGE_EMULATE_NODES": str(nodes)}
 
+    def stage_seconds(self, bench):
+        """Return the seconds this mode spent staging in the last cell."""
+        from mpistage.bench.run import stage_seconds
+
+        return stage_seconds(bench.report_path)
+
+    def after(self, bench):
+        """Clean up after one cell (untimed)."""
+
 
 class Plain(Mode):
     """Everything on the simulated shared file system."""
@@ -121,4 +130,92 @@ class Auto(Staged):
         return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
 
 
-MODES = {mode.name: mode for mode in (Plain, Staged, Local, Auto)}
+class PlainEnv(Mode):
+    """A whole environment (interpreter, stdlib, mpi4py, numpy) run from the
+    shared FS: ``python`` itself starts from the simulated file system."""
+
+    name = "plain-env"
+
+    def prepare(self, bench):
+        """Put a relocated copy of a small environment on the shared FS."""
+        from mpistage.bench.envs import shared_env
+
+        shared_env(bench)
+
+    def site(self, bench):
+        """The environment's own site-packages."""
+        from mpistage.bench.envs import site_packages
+
+        return site_packages(_os.path.join(bench.mount, "env"))
+
+    def command(self, bench, ranks, code):
+        """Start the shared environment's python."""
+        python = _os.path.join(bench.mount, "env", "bin", "python")
+        return [bench.mpiexec, "-n", str(ranks), python, "-c", code]
+
+    def env(self, bench, nodes):
+        """The lines ``mpistage stage`` prints, for the shared copy."""
+        lib = _os.path.join(bench.mount, "env", "lib")
+        return dict(
+            super().env(bench, nodes), LD_LIBRARY_PATH=lib, PYTHONNOUSERSITE="1"
+        )
+
+
+class StagedEnv(PlainEnv):
+    """``mpistage stage`` (one rank per node) then the run, both timed."""
+
+    name = "staged-env"
+    SCRIPT = """\
+set -e
+export CODE="$2"
+start=$(date +%s.%N)
+"$MPIEXEC" -n "$NODES" "$STAGER" -m mpistage stage "$BUNDLE" --to "$LOCAL/n{node}" \
+    --print-env > /dev/null
+awk "BEGIN {print $(date +%s.%N) - $start}" > "$STAGE_TIME"
+"$MPIEXEC" -n "$1" sh -c \
+    'exec "$LOCAL/n$((PMI_RANK * NODES / PMI_SIZE))/bin/python" -c "$CODE"'
+"""
+
+    def prepare(self, bench):
+        """Share the environment bundle on the shared FS; write the script."""
+        super().prepare(bench)
+        self.script = _os.path.join(bench.work, "staged-env.sh")
+        with open(self.script, "w") as f:
+            f.write(self.SCRIPT)
+        self.local = _os.path.join(bench.local_dir, "staged-env")
+        self.stage_time = _os.path.join(bench.work, "stage-time")
+
+    def site(self, bench):
+        """Nothing to add: each node's python has its own site-packages."""
+        return None
+
+    def command(self, bench, ranks, code):
+        """Run the stage-and-run script."""
+        return ["sh", self.script, str(ranks), code]
+
+    def env(self, bench, nodes):
+        """Everything the script needs, and the staged lines."""
+        lib = _os.path.join(self.local, "n0", "lib")
+        return dict(
+            Mode.env(self, bench, nodes),
+            MPIEXEC=bench.mpiexec,
+            NODES=str(nodes),
+            STAGER=_sys.executable,
+            LOCAL=self.local,
+            STAGE_TIME=self.stage_time,
+            BUNDLE=_os.path.join(bench.mount, "bundles", "env.mpistage"),
+            LD_LIBRARY_PATH=lib,
+            PYTHONNOUSERSITE="1",
+        )
+
+    def stage_seconds(self, bench):
+        """The stage step's wall time, as the script measured it."""
+        with open(self.stage_time) as f:
+            return float(f.read())
+
+    def after(self, bench):
+        """Remove the node-local copies, so the next cell stages afresh."""
+        _shutil.rmtree(self.local, ignore_errors=True)
+
+
+MODES = {mode.name: mode for mode in (Plain, Staged, Local, Auto, PlainEnv, StagedEnv)}

@@ -26,7 +26,7 @@ import time as _time
 DRIVER = """\
 import os, sys, time
 t_ready = time.time()
-sys.path.insert(0, {site!r})
+{path_line}
 {code}
 t_done = time.time()
 from mpi4py import MPI
@@ -108,7 +108,9 @@ def run_cell(bench, mode, ranks, nodes):
         PYTHONDONTWRITEBYTECODE="1",
         **mode.env(bench, nodes),
     )
-    code = DRIVER.format(code=bench.workload.code, site=mode.site(bench))
+    site = mode.site(bench)
+    path_line = f"sys.path.insert(0, {site!r})" if site else ""
+    code = DRIVER.format(code=bench.workload.code, path_line=path_line)
     bench.fs.reset()
     start = _time.time()
     done = _subprocess.run(
@@ -120,10 +122,12 @@ def run_cell(bench, mode, ranks, nodes):
     )
     if done.returncode:
         raise RuntimeError(f"{mode.name} at {ranks} ranks failed:\n{done.stderr}")
-    return measure(bench, start, bench.fs.stats())
+    row = measure(bench, mode, start, bench.fs.stats())
+    mode.after(bench)
+    return row
 
 
-def measure(bench, start, stats):
+def measure(bench, mode, start, stats):
     """Turn one cell's driver result, runner report and FS stats into a row."""
     with open(bench.result_path) as f:
         result = _json.load(f)
@@ -134,7 +138,7 @@ def measure(bench, start, stats):
         "total_s": result["t_all"] - start,
         "start_s": max(r[2] for r in ranks) - start,
         "import_s": max(r[3] - r[2] for r in ranks),
-        "stage_s": stage_seconds(bench.report_path),
+        "stage_s": mode.stage_seconds(bench),
         "meta_ops": meta_ops(stats),
         "meta_ops_rank_max": max(rank_ops),
         "meta_ops_rank_mean": sum(rank_ops) / len(rank_ops),

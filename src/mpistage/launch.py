@@ -217,7 +217,7 @@ class Job:
             from mpistage.stage import remove_root
 
             remove_root(self.root)
-        self.root = None
+        self.root, self.bytes = None, 0
 
     def start_recording(self):
         """``--auto`` without a usable bundle: rank 0 records this run."""

@@ -31,6 +31,9 @@ class Recorder:
     def __init__(self):
         self.paths = set()
         self.active = True
+        # Loaded before any runner can act (.pth hooks, the runner itself):
+        # staging them would not help, so they are not recorded.
+        self.preloaded = set(_sys.modules)
         _sys.addaudithook(self.hook)
 
     def hook(self, event, args):
@@ -50,7 +53,7 @@ class Recorder:
         from mpistage.bundle import python_tag
 
         self.active = False
-        paths = self.paths | module_files() | mapped_files()
+        paths = self.paths | module_files(self.preloaded) | mapped_files()
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         return {"python": python_tag(), "sys_path": entries, "files": sorted(paths)}
 
@@ -63,10 +66,15 @@ def writes(args):
     return bool(isinstance(flags, int) and flags & (_os.O_WRONLY | _os.O_RDWR))
 
 
-def module_files():
-    """Return the source, bytecode and extension files of loaded modules."""
+def module_files(skip=()):
+    """Return the source, bytecode and extension files of loaded modules.
+
+    Modules named in *skip* are left out.
+    """
     found = set()
-    for module in list(_sys.modules.values()):
+    for name, module in list(_sys.modules.items()):
+        if name in skip:
+            continue
         spec = getattr(module, "__spec__", None)
         for path in (getattr(spec, "origin", None), getattr(spec, "cached", None)):
             if path and _os.path.isabs(path) and _os.path.isfile(path):

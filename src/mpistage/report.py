@@ -52,7 +52,8 @@ def render(report):
         lines.append(f"  missed: {shown}")
         lines.append(
             "  hint: re-record with `mpistage record -o app.mpistage -- python "
-            "app.py` (or --auto), or add them: `mpistage pack ... NAME`"
+            "app.py` (--granularity package, the default, takes whole packages), "
+            "or add them: `mpistage pack ... NAME`"
         )
     return "\n".join(lines)
 

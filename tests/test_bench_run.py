@@ -1,0 +1,70 @@
+"""`mpistage bench run` end to end, tiny: files, columns, and what they show."""
+
+import csv
+import json
+import sys
+
+import pytest
+
+from mpistage.bench import simfs
+from mpistage.bench.run import COLUMNS
+from stagetools import clean_environ, run
+
+FUSE_REASON = simfs.fuse_available()
+pytestmark = pytest.mark.skipif(FUSE_REASON is not None, reason=str(FUSE_REASON))
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    args = [
+        sys.executable,
+        "-m",
+        "mpistage",
+        "bench",
+        "run",
+        "--workload",
+        "generated",
+        "--modules",
+        "12",
+        "--extensions",
+        "1",
+        "--ranks",
+        "1,2",
+        "--nodes",
+        "2",
+        "--latency",
+        "0.2ms",
+        "--modes",
+        "plain,mpistage,local",
+        "-o",
+        str(out),
+    ]
+    result = run(args, env=clean_environ(), timeout=300)
+    assert result.returncode == 0, result
+    return out, result
+
+
+def test_writes_csv_json_and_png_with_the_expected_columns(bench):
+    out, result = bench
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(COLUMNS)
+    cells = {(r["mode"], r["ranks"]) for r in rows}
+    assert cells == {(m, n) for m in ("plain", "mpistage", "local") for n in "12"}
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["latency"] == "0.2ms" and len(data["rows"]) == 6
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| workload | ranks | nodes | mode |" in result.stdout
+    assert "results.png" in result.stdout
+
+
+def test_the_figures_show_the_shared_fs_traffic_of_each_mode(bench):
+    out, _ = bench
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    ops = {(r["mode"], r["ranks"]): r["meta_ops"] for r in rows}
+    assert ops[("local", 1)] == ops[("local", 2)] == 0
+    # plain: every rank walks the shared tree; mpistage: rank 0 alone reads it
+    assert ops[("plain", 2)] > 1.8 * ops[("plain", 1)] > 0
+    assert ops[("mpistage", 2)] == ops[("mpistage", 1)]
+    assert ops[("mpistage", 2)] < ops[("plain", 1)]

@@ -74,6 +74,33 @@ def dynamic(path):
     return needed, rpath, runpath
 
 
+def is_program(path):
+    """Whether the ELF file *path* is a program (has an interpreter), not a library."""
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        if elf["e_type"] == "ET_EXEC":
+            return True
+        return any(seg["p_type"] == "PT_INTERP" for seg in elf.iter_segments())
+
+
+def origin_of(path):
+    """Return the directory ``$ORIGIN`` stands for in the ELF file *path*.
+
+    As the loader does: a program's is where it really is (from
+    ``/proc/self/exe``, symlinks resolved); a library's is the directory of
+    the path it was opened by, as it is, so a library reached through a
+    symlink looks next to the symlink.
+    """
+    try:
+        program = is_program(path)
+    except Exception:  # not a readable ELF file: take it as a library
+        program = False
+    resolve = _os.path.realpath if program else _os.path.abspath
+    return _os.path.dirname(resolve(path))
+
+
 def expand(dirs, origin):
     """Expand ``$ORIGIN`` in *dirs*, dropping empty entries."""
     out = []
@@ -116,6 +143,7 @@ class Closure:
         self.library_path = [d for d in lp.split(":") if d]
         self.cache = ld_cache()
         self.found, self.missing = {}, set()
+        self.origins = {}
 
     def excluded(self, name):
         """Whether the library *name* is left out (every node has it)."""
@@ -125,7 +153,9 @@ class Closure:
         """Return where the loader finds *name* for the object at *path*."""
         if "/" in name:
             return name if _os.path.exists(name) else None
-        origin = _os.path.dirname(_os.path.realpath(path))
+        if path not in self.origins:
+            self.origins[path] = origin_of(path)
+        origin = self.origins[path]
         dirs = [] if runpath else expand(rpath, origin)
         dirs += self.library_path + expand(runpath, origin)
         for d in dirs:

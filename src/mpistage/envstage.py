@@ -67,7 +67,8 @@ def prepare(folder, digest, need):
             return False
         raise StageError(
             f"{folder!r} is not empty and is not a stage of this bundle; "
-            "choose an empty directory or remove it with `mpistage clean DIR`"
+            "choose an empty or new directory (`mpistage clean DIR` removes an "
+            "earlier stage)"
         )
     room(folder, need)
     return True

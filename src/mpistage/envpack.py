@@ -79,6 +79,12 @@ def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
     """Write the environment at *prefix* (default ``sys.prefix``) to *output*."""
     from mpistage.pack import Roots
 
+    try:
+        import elftools  # noqa: F401
+    except ImportError:
+        raise StageError(
+            "pack --env reads ELF files with pyelftools: pip install 'mpistage[env]'"
+        ) from None
     env = Env(prefix or _sys.prefix)
     roots = Roots(exclude=DEFAULT_EXCLUDE + tuple(exclude))
     take_env(roots, env)

@@ -20,8 +20,8 @@ system:
 	./scripts/ensure-system-packages
 
 lint: venv
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 test: venv system lint
 	$(PY) -m pytest -q

@@ -4,9 +4,12 @@ For ``import numpy, numpy.linalg`` at several rank counts (with emulated
 nodes), it measures, interleaved in one run:
 
 * wall time of the whole ``mpiexec`` launch (median of ``--repeat`` runs);
-* file-system calls that touched the original site-packages, summed over
-  all ranks and for the busiest rank, counted with ``strace`` in separate
+* file-system calls that touched the original site-packages: all ranks,
+  rank 0, and the busiest other rank, counted with ``strace`` in separate
   runs (tracing slows a run down, so it is not timed).
+
+Modes: ``plain`` python, the runner (``mpistage``, whose rank 0 also checks
+the bundle for staleness), and the runner with ``--trust`` (no check).
 
 Usage: ``python benchmarks/strace_startup.py [--ranks 1,4,16] [--nodes 4]``.
 """
@@ -39,8 +42,10 @@ def command(mode, ranks, bundle, trace_dir=None):
     if trace_dir:
         strace = f"exec strace -f -qq -y -e {TRACE} -o {trace_dir}/trace.$PMI_RANK"
         py = ["sh", "-c", strace + ' "$0" "$@"', sys.executable]
-    if mode == "mpistage":
+    if mode != "plain":
         py += ["-m", "mpistage", "--bundle", bundle]
+    if mode == "mpistage --trust":
+        py += ["--trust"]
     return [mpiexec(), "-n", str(ranks), *py, "-c", CODE]
 
 
@@ -57,12 +62,13 @@ def timed(cmd, environ):
 
 
 def site_ops(trace_dir, site):
-    """Return (total, busiest rank) calls whose lines mention *site*."""
-    counts = []
+    """Return calls whose lines mention *site*: all, rank 0, busiest other."""
+    counts = {}
     for trace in Path(trace_dir).glob("trace.*"):
         lines = trace.read_text(errors="replace").splitlines()
-        counts.append(sum(site in line for line in lines))
-    return sum(counts), max(counts)
+        counts[int(trace.suffix[1:])] = sum(site in line for line in lines)
+    others = [n for rank, n in counts.items() if rank != 0]
+    return sum(counts.values()), counts[0], max(others, default=0)
 
 
 def traced(mode, ranks, bundle, environ, site):
@@ -83,23 +89,31 @@ def main():
     site = sysconfig.get_paths()["purelib"]
     work = tempfile.mkdtemp(prefix="mpistage-bench-")
     bundle = os.path.join(work, "numpy.mpistage")
-    subprocess.run([sys.executable, "-m", "mpistage", "pack", "-o", bundle,
-                    "numpy"], check=True, stdout=subprocess.DEVNULL)
-    print(f"| ranks | nodes | mode | wall s (median of {args.repeat}) "
-          "| site-packages calls, all ranks | busiest rank |")
-    print("|---:|---:|---|---:|---:|---:|")
+    subprocess.run(
+        [sys.executable, "-m", "mpistage", "pack", "-o", bundle, "numpy"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    print(
+        f"| ranks | nodes | mode | wall s (median of {args.repeat}) "
+        "| site-packages calls: all ranks | rank 0 | busiest other rank |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|")
     for ranks in [int(r) for r in args.ranks.split(",")]:
         environ = env(args.nodes, ranks)
-        walls = {m: [] for m in ("plain", "mpistage")}
+        walls = {m: [] for m in ("plain", "mpistage", "mpistage --trust")}
         for _ in range(args.repeat):
             for mode in walls:
                 walls[mode].append(timed(command(mode, ranks, bundle), environ))
         for mode in walls:
-            total, top = traced(mode, ranks, bundle, environ, site)
+            total, first, other = traced(mode, ranks, bundle, environ, site)
             nodes = min(args.nodes, ranks)
-            print(f"| {ranks} | {nodes} | {mode} | "
-                  f"{statistics.median(walls[mode]):.2f} | {total} | {top} |",
-                  flush=True)
+            print(
+                f"| {ranks} | {nodes} | {mode} | "
+                f"{statistics.median(walls[mode]):.2f} | {total} | {first} "
+                f"| {other if ranks > 1 else '-'} |",
+                flush=True,
+            )
     shutil.rmtree(work)
 
 

@@ -91,6 +91,16 @@ class Staged(Mode):
         return dict(super().env(bench, nodes), MPISTAGE_REPORT=bench.report_path)
 
 
+class StagedTrust(Staged):
+    """The runner with ``--trust``: no staleness check by rank 0."""
+
+    name = "mpistage-trust"
+
+    def runner(self, bench):
+        """Run the target through ``python -m mpistage --bundle --trust``."""
+        return super().runner(bench) + ["--trust"]
+
+
 class Local(Mode):
     """The workload copied to node-local RAM disk: the no-cost limit."""
 
@@ -218,4 +228,7 @@ awk "BEGIN {print $(date +%s.%N) - $start}" > "$STAGE_TIME"
         _shutil.rmtree(self.local, ignore_errors=True)
 
 
-MODES = {mode.name: mode for mode in (Plain, Staged, Local, Auto, PlainEnv, StagedEnv)}
+MODES = {
+    mode.name: mode
+    for mode in (Plain, Staged, StagedTrust, Local, Auto, PlainEnv, StagedEnv)
+}

@@ -40,7 +40,10 @@ options:
   -h, --help      show this help and exit
 
 environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
-MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON)."""
+MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
+MPISTAGE_CACHE_DIR.
+
+tools: mpistage {pack,record,inspect,stage,clean,bench} --help"""
 
 
 class Options:

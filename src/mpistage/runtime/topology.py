@@ -1,4 +1,4 @@
-"""Step 1 of the runner: which ranks share a node, and who leads each node.
+"""Step 1: which ranks share a node, and who leads each node.
 
 World → node communicator (``Split_type`` SHARED, or contiguous rank blocks
 when ``MPISTAGE_EMULATE_NODES=N`` asks for N emulated nodes) → a communicator
@@ -8,7 +8,7 @@ is rank 0 of the leaders, so it can broadcast to them.
 
 import os as _os
 
-from mpistage.errors import StageError
+from mpistage import StageError
 
 
 class Topology:

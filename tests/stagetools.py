@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage import bundle
+from mpistage.runtime import format as bundle
 
 PYTHON = sys.executable
 TIMEOUT = 60

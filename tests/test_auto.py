@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpistage import bundle
+from mpistage.runtime import format as bundle
 from recordtools import below, need_report, replay
 from stagetools import (
     MPIEXEC,

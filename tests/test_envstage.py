@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from envtools import elf_files, opened, runpaths, small_venv, trace_paths, under
-from mpistage import bundle as bundle_format
-from mpistage import elfdeps
-from mpistage.stage import destinations, staged_path
+from mpistage.build import elfdeps
+from mpistage.runtime import format as bundle_format
+from mpistage.runtime.roots import destinations
 from stagetools import (
     clean_environ,
     flip_byte,
@@ -147,10 +147,12 @@ def test_stage_fills_one_dir_per_node(staged, env_bundle):
     dests = destinations(manifest)
     for folder in (n0, n1):
         assert folder.stat().st_mode & 0o777 == 0o700
-        marker = json.loads((folder / ".mpistage-stage.json").read_text())
-        assert len(marker["bundle_sha256"]) == 64
+        marker = (folder / ".mpistage-stage").read_text().splitlines()
+        assert "state=complete" in marker
+        assert len(marker[0].partition("=")[2]) == 64
         for member in manifest["members"]:
-            path = staged_path(str(folder), dests, member)
+            dest = dests[member["root"]]
+            path = os.path.join(folder, dest, member["rel"])
             assert os.path.lexists(path), member
         assert not (folder / "pyvenv.cfg").exists()
         # DIR/bin/python is a real file, or a symlink that stays inside DIR.
@@ -267,7 +269,7 @@ def test_staged_run_touches_only_node_local_storage(
 def test_restaging_the_same_bundle_reuses_the_dirs(staged, env_bundle):
     n0, n1 = staged.n0, staged.n1
     watched = [
-        n0 / ".mpistage-stage.json",
+        n0 / ".mpistage-stage",
         (n0 / "bin" / "python").resolve(),
         n1 / "lib" / "libmpi.so.12",
         n1 / "bin" / "hello",
@@ -379,7 +381,7 @@ def test_refuses_a_dir_that_is_not_empty(env_bundle, tmp_path, what, discard):
         stray = n0 / "notes.txt"
         stray.write_text("mine\n")
     else:
-        stray = n0 / ".mpistage-stage.json"
+        stray = n0 / ".mpistage-stage"
         stray.write_text(json.dumps({"bundle": "old", "bundle_sha256": "0" * 64}))
     before = stray.read_text()
     # Node 1's dir is fine; node 0's is not.
@@ -389,7 +391,7 @@ def test_refuses_a_dir_that_is_not_empty(env_bundle, tmp_path, what, discard):
     assert stray.read_text() == before
     # Node 1 ends without a half-written tree: nothing, or a whole stage.
     n1 = tmp_path / "envs" / "n1"
-    assert empty_or_absent(n1) or (n1 / ".mpistage-stage.json").is_file()
+    assert empty_or_absent(n1) or (n1 / ".mpistage-stage").is_file()
 
 
 @pytest.fixture
@@ -485,7 +487,7 @@ def test_clean_removes_a_staged_dir(env_bundle, tmp_path, discard):
     discard(target)
     result, status = stage(1, env_bundle, target)
     assert result.returncode == 0 and status == {0: 0}, result
-    assert (target / ".mpistage-stage.json").is_file()
+    assert (target / ".mpistage-stage").is_file()
     env = clean_environ()
 
     # A symlink to a stage is not a stage.

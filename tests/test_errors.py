@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage import bundle
+from mpistage.runtime import format as bundle
 from stagetools import (
     PYTHON,
     first_file_member,

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from mpistage import bundle
 from mpistage.bench import simfs
 from mpistage.bench.simfs import SimFS
+from mpistage.runtime import format as bundle
 from recordtools import WORKLOAD, below, make_workload, need_report, replay
 from recordtools import recorded as record_ok
 from stagetools import PYTHON, clean_environ, results, run, write_target

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage import bundle
+from mpistage.runtime import format as bundle
 from recordtools import WORKLOAD, below, make_workload, need_report, record, replay
 from recordtools import recorded as record_ok
 from stagetools import PYTHON, mpistage, results, run, write_target

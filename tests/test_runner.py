@@ -183,9 +183,9 @@ emit({"rank": MPI.COMM_WORLD.rank, "file": tinypkg.__file__, "digests": digests}
 """,
     )
     driver = (
-        "import sys, mpistage.broadcast as b; "
+        "import sys, mpistage.runtime.broadcast as b; "
         f"b.CHUNK_SIZE = {chunk}; "
-        "from mpistage.cli import main; main(sys.argv[1:])"
+        "from mpistage.__main__ import main; main(sys.argv[1:])"
     )
     stage_env.update(PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")
     args = ["-c", driver, "--bundle", tiny["bundle"], target]

@@ -1,6 +1,95 @@
-"""Entry point for ``python -m mpistage``."""
+"""The ``mpistage`` command and ``python -m mpistage``: the boot path.
 
-from mpistage.cli import main
+``mpistage pack|record|inspect|clean|run|bench ...`` are tools (see
+:mod:`mpistage.cli`). Anything else is the runner (``mpistage app.py``,
+``mpistage -m mod``, ``mpistage -c code``), and ``mpistage stage`` is the
+stager; both run in every rank of a job, so this file keeps their start-up
+to the least: it imports mpi4py with the ``PYTHONPATH`` entries and the
+script directory off ``sys.path`` (they are searched for nothing), gets the
+runtime package from rank 0 (:func:`mpistage.load_runtime`), restores
+``sys.path`` exactly, and hands over.
+"""
+
+import os as _os
+import sys as _sys
+
+TOOLS = ("pack", "record", "inspect", "clean", "bench")
+
+
+def main(argv=None):
+    """Dispatch *argv* (default ``sys.argv[1:]``): a tool, the stager or the runner."""
+    argv = list(_sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        from mpistage.cli import main as tool
+
+        _sys.exit(tool(argv))
+    if argv and looks_like_command(argv[0]):
+        from mpistage.cli import unknown
+
+        _sys.exit(unknown(argv[0]))
+    stager = bool(argv) and argv[0] == "stage"
+    world = boot()
+    try:
+        if stager:
+            from mpistage.runtime.stager import main as entry
+
+            argv = argv[1:]
+        else:
+            from mpistage.runtime.launch import main as entry
+        status = entry(world, argv)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        crash(world, exc)
+    _sys.exit(status)
+
+
+def looks_like_command(word):
+    """Whether *word* is a mistyped subcommand rather than a script to run."""
+    return (
+        word not in ("stage", "-")
+        and not word.startswith("-")
+        and _os.sep not in word
+        and not word.endswith(".py")
+        and not _os.path.exists(word)
+    )
+
+
+def boot():
+    """Import mpi4py and the runtime without searching ``PYTHONPATH``; return world."""
+    saved = _sys.path[:]
+    _sys.path[:] = boot_path(saved)
+    try:
+        from mpi4py import MPI
+
+        from mpistage import load_runtime
+
+        load_runtime(MPI.COMM_WORLD)
+    finally:
+        _sys.path[:] = saved
+    return MPI.COMM_WORLD
+
+
+def boot_path(path):
+    """Return *path* without the script directory and the ``PYTHONPATH`` entries."""
+    extra = (
+        _os.environ.get("PYTHONPATH", "") if not _sys.flags.ignore_environment else ""
+    )
+    skip = {_os.path.abspath(p) for p in extra.split(_os.pathsep) if p}
+    return [p for p in path[1:] if p and _os.path.abspath(p) not in skip]
+
+
+def crash(world, exc):
+    """An unexpected error outside any agreed step: say so, end the job."""
+    from mpistage.runtime.collective import abort, describe
+
+    print(
+        f"mpistage: error: on rank {world.rank}: {describe(exc)}",
+        file=_sys.stderr,
+        flush=True,
+    )
+    abort(world, 1)
+
 
 if __name__ == "__main__":
     main()

@@ -10,7 +10,7 @@ import sys as _sys
 VERBS = ("simfs", "unmount", "stats", "generate", "run")
 
 
-def cli(argv):
+def main(argv):
     """Dispatch ``mpistage bench VERB ...``; return the exit status."""
     if not argv or argv[0] not in VERBS:
         print(f"usage: mpistage bench {{{','.join(VERBS)}}} ...", file=_sys.stderr)
@@ -81,10 +81,10 @@ def run_parser():
 
 def cli_run(argv):
     """Run ``mpistage bench run``; print the table, write the files."""
+    from mpistage import StageError
     from mpistage.bench import results
     from mpistage.bench.run import run_workload
     from mpistage.bench.simfs import fuse_available, parse_latency
-    from mpistage.errors import StageError
 
     args = run_parser().parse_args(argv)
     reason = fuse_available()
@@ -130,7 +130,7 @@ def workloads(args):
 
 def parse_ranks(text):
     """Parse ``1,4,16`` into a list of positive rank counts."""
-    from mpistage.errors import StageError
+    from mpistage import StageError
 
     try:
         ranks = [int(x) for x in text.split(",")]
@@ -145,8 +145,8 @@ def parse_ranks(text):
 
 def parse_modes(text):
     """Parse ``plain,mpistage,local`` and check each mode exists."""
+    from mpistage import StageError
     from mpistage.bench.modes import MODES
-    from mpistage.errors import StageError
 
     modes = [m for m in text.split(",") if m]
     unknown = [m for m in modes if m not in MODES]

@@ -45,12 +45,22 @@ class Mode:
 
     def stage_seconds(self, bench):
         """Return the seconds this mode spent staging in the last cell."""
-        from mpistage.bench.run import stage_seconds
-
-        return stage_seconds(bench.report_path)
+        return report_seconds(bench.report_path)
 
     def after(self, bench):
         """Clean up after one cell (untimed)."""
+
+
+def report_seconds(path):
+    """Return the runner's staging seconds from its report, if it wrote one."""
+    import json
+
+    if not _os.path.exists(path):
+        return 0.0
+    with open(path) as f:
+        seconds = json.load(f)["seconds"]
+    steps = ("read", "validate", "broadcast", "stage", "activate")
+    return sum(seconds.get(s, 0.0) for s in steps)
 
 
 class Plain(Mode):
@@ -125,10 +135,8 @@ class Auto(Staged):
         """Learn the bundle in one untimed run, then serve it from the shared FS."""
         import glob
 
-        from mpistage.bench.run import run_cell
-
         self.cache = _os.path.join(bench.work, "learn-cache")
-        run_cell(bench, self, 1, 1)
+        bench.run_cell(self, 1, 1)
         shared = _os.path.join(bench.source, "cache")
         _os.makedirs(shared, exist_ok=True)
         for path in glob.glob(_os.path.join(self.cache, "*.mpistage")):

@@ -83,6 +83,10 @@ class Bench:
         _os.makedirs(self.mount)
         self.fs = SimFS(self.source, self.mount, latency=latency, cache=cache)
 
+    def run_cell(self, mode, ranks, nodes):
+        """Launch one cell (modes use it to learn untimed)."""
+        return run_cell(self, mode, ranks, nodes)
+
     def close(self):
         """Unmount and remove the temporary trees."""
         import shutil
@@ -151,16 +155,6 @@ def meta_ops(counts):
     """Return the metadata operations (all but data reads) in *counts*."""
     ops = counts.get("ops", {})
     return sum(ops.values()) - ops.get("read", 0)
-
-
-def stage_seconds(path):
-    """Return the runner's staging seconds from its report, if it wrote one."""
-    if not _os.path.exists(path):
-        return 0.0
-    with open(path) as f:
-        seconds = _json.load(f)["seconds"]
-    steps = ("read", "broadcast", "stage", "validate", "activate")
-    return sum(seconds.get(s, 0.0) for s in steps)
 
 
 def cells(ranks_list, nodes, modes, repeat):

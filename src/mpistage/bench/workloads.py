@@ -29,7 +29,8 @@ class Numpy(Workload):
 
     def build(self, site):
         """Copy numpy, its metadata and numpy.libs, as `pack` would take them."""
-        from mpistage.pack import Roots, add_package
+        from mpistage.build.pack import add_package
+        from mpistage.build.writer import Selection as Roots
 
         roots = Roots(exclude=["*/tests"])
         add_package(roots, "numpy")
@@ -64,7 +65,8 @@ class Code(Workload):
 
     def build(self, site):
         """Copy each named package as `pack` would take it."""
-        from mpistage.pack import Roots, add_package
+        from mpistage.build.pack import add_package
+        from mpistage.build.writer import Selection as Roots
 
         roots = Roots()
         for name in self.packages:
@@ -88,7 +90,7 @@ def copy_files(roots, dest):
 
 def make(name, code=None, packages=(), sizes=None):
     """Return the workload called *name* (``numpy``, ``generated``, ``code``)."""
-    from mpistage.errors import StageError
+    from mpistage import StageError
 
     if name == "numpy":
         return Numpy()

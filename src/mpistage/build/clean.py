@@ -1,86 +1,83 @@
-"""``mpistage clean``: remove staging roots left behind by dead jobs.
+"""``mpistage clean``: remove staging roots left behind by jobs that ended.
 
-A job that was aborted, or ran with ``--keep``, leaves its staging roots.
-Each root records the host and pid of the leader that made it; a root of
-this user, on this host, whose leader is no longer alive is stale.
+A job whose nodes crashed, or that ran with ``--keep``, leaves its staging
+roots. Each root records the host and pid of the leader that made it; a
+root of this user, on this host, whose leader is gone or a zombie is stale.
+Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
+complete or interrupted. Removal is :func:`mpistage.runtime.place.remove`.
 """
 
 import os as _os
 
+from mpistage import StageError
 
-def stale_roots(candidates):
-    """Yield this user's staging roots whose leader process is gone."""
-    import json
-    import socket
 
-    host = socket.gethostname()
-    for candidate in candidates:
-        parent = _os.path.join(candidate, f"mpistage-{_os.getuid()}")
-        if not _os.path.isdir(parent) or _os.path.islink(parent):
+def clean(folder=None, dry_run=False):
+    """Remove (or, with *dry_run*, list) stale roots, or the stage in *folder*."""
+    return clean_stage(folder, dry_run) if folder else clean_roots(dry_run)
+
+
+def clean_roots(dry_run=False):
+    """Remove this user's stale staging roots on this host; return their paths."""
+    from mpistage.runtime.place import candidates, open_safe, remove_entry
+
+    found = []
+    for candidate in candidates():
+        try:
+            real, fd = open_safe(_os.path.join(candidate, f"mpistage-{_os.getuid()}"))
+        except (StageError, OSError):
             continue
-        for name in sorted(_os.listdir(parent)):
-            root = _os.path.join(parent, name)
-            try:
-                with open(_os.path.join(root, ".mpistage-owner")) as f:
-                    owner = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if owner.get("host") == host and not alive(owner.get("pid")):
-                yield root
+        try:
+            for name in stale_in(fd):
+                found.append(f"{real}/{name}")
+                if not dry_run:
+                    remove_entry(fd, name)
+        finally:
+            _os.close(fd)
+    return found
+
+
+def stale_in(fd):
+    """Yield the names of the stale roots in this user's directory *fd*."""
+    from mpistage.runtime.place import DIR_FLAGS, read_owner
+
+    host = _os.uname().nodename
+    for name in sorted(_os.listdir(fd)):
+        try:
+            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            owner = read_owner(root_fd)
+        finally:
+            _os.close(root_fd)
+        if owner and owner.get("host") == host and not alive(owner.get("pid")):
+            yield name
 
 
 def alive(pid):
-    """Whether a process with *pid* exists on this host."""
+    """Whether a process with *pid* runs on this host (a zombie does not)."""
     try:
-        _os.kill(int(pid), 0)
-    except ProcessLookupError:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, ValueError, TypeError, IndexError):
         return False
-    except (PermissionError, TypeError, ValueError):
-        return True
-    return True
-
-
-def clean(dry_run=False):
-    """Remove (or, with *dry_run*, list) stale roots; return their paths."""
-    from mpistage.stage import candidates, remove_root
-
-    found = list(stale_roots(candidates()))
-    if not dry_run:
-        for root in found:
-            remove_root(root)
-    return found
+    return state not in ("Z", "X")
 
 
 def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
-    from mpistage.envstage import marker_of
-    from mpistage.errors import StageError
-    from mpistage.stage import remove_root
+    from mpistage.runtime.place import remove, target_dir
+    from mpistage.runtime.stager import read_marker
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):
         raise StageError(f"{folder!r} is not a directory")
-    if _os.stat(folder).st_uid != _os.getuid():
-        raise StageError(f"{folder!r} belongs to another user")
-    if marker_of(folder) is None:
+    root = target_dir(folder)
+    if not read_marker(root.fd):
+        root.close()
         raise StageError(f"{folder!r} is not a stage made by `mpistage stage`")
-    if not dry_run:
-        remove_root(folder)
+    if dry_run:
+        root.close()
+    else:
+        remove(root)
     return [folder]
-
-
-def cli(argv):
-    """Run ``mpistage clean [DIR] [--dry-run]``; return the exit status."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="mpistage clean",
-        description="Remove this user's staging roots of jobs that have ended, "
-        "or, given DIR, an environment staged there (run it once per node).",
-    )
-    p.add_argument("dir", nargs="?", help="a directory `mpistage stage` filled")
-    p.add_argument("--dry-run", action="store_true", help="list, do not remove")
-    args = p.parse_args(argv)
-    found = clean_stage(args.dir, args.dry_run) if args.dir else clean(args.dry_run)
-    for root in found:
-        print(("would remove " if args.dry_run else "removed ") + root)
-    return 0

@@ -21,7 +21,7 @@ library directory are rewritten in place to ``$ORIGIN``-relative ones.
 import os as _os
 import sys as _sys
 
-from mpistage.errors import StageError
+from mpistage import StageError
 
 DEFAULT_EXCLUDE = (
     "lib/python3.*/test",
@@ -53,7 +53,27 @@ class Env:
             )
         )
         self.base = base_prefix(self.cfg) if self.cfg else None
-        self.version = "{}.{}".format(*_sys.version_info[:2])
+        self.version = python_version(self.cfg)
+
+
+def python_version(cfg):
+    """Return ``X.Y`` of the environment's Python: ``pyvenv.cfg``, else this one."""
+    parts = cfg.get("version", cfg.get("version_info", "")).split(".")
+    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+        return f"{parts[0]}.{parts[1]}"
+    return "{}.{}".format(*_sys.version_info[:2])
+
+
+def python_tag(version):
+    """Return the Python tag of a bundle for Python *version* (``X.Y``)."""
+    from mpistage.runtime.format import python_tag as current
+
+    tag, here = current(), "{}{}".format(*_sys.version_info[:2])
+    there = version.replace(".", "")
+    tag["version"] = version
+    tag["cache_tag"] = tag["cache_tag"].replace(here, there)
+    tag["ext_suffix"] = tag["ext_suffix"].replace(here, there)
+    return tag
 
 
 def read_cfg(path):
@@ -76,8 +96,12 @@ def base_prefix(cfg):
 
 
 def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
-    """Write the environment at *prefix* (default ``sys.prefix``) to *output*."""
-    from mpistage.pack import Roots
+    """Write the environment at *prefix* (default ``sys.prefix``) to *output*.
+
+    Returns the manifest; ``manifest["env"]["missing"]`` names the libraries
+    that could not be found.
+    """
+    from mpistage.build.writer import Selection
 
     try:
         import elftools  # noqa: F401
@@ -86,13 +110,12 @@ def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
             "pack --env reads ELF files with pyelftools: pip install 'mpistage[env]'"
         ) from None
     env = Env(prefix or _sys.prefix)
-    roots = Roots(exclude=DEFAULT_EXCLUDE + tuple(exclude))
+    roots = Selection(exclude=DEFAULT_EXCLUDE + tuple(exclude))
     take_env(roots, env)
     if env.base:
         take_base(roots, env)
     libs, missing = take_libraries(roots, env, exclude_libs)
-    manifest = write_env(output, roots, env, libs)
-    return manifest, missing
+    return write_env(output, roots, env, libs, missing)
 
 
 def take_env(roots, env):
@@ -124,7 +147,7 @@ def take_base(roots, env):
 
 def elf_members(roots):
     """Yield every regular ELF file chosen so far."""
-    from mpistage.elfdeps import is_elf
+    from mpistage.build.elfdeps import is_elf
 
     for root in roots.paths:
         for path in roots.files[root]:
@@ -134,7 +157,7 @@ def elf_members(roots):
 
 def take_libraries(roots, env, exclude_libs):
     """Add the shared libraries the ELF files need from outside the roots."""
-    from mpistage.elfdeps import closure
+    from mpistage.build.elfdeps import closure
 
     lib_path = [_os.path.join(p, "lib") for p in (env.prefix, env.base) if p]
     extra = ":".join(lib_path + [_os.environ.get("LD_LIBRARY_PATH", "")])
@@ -167,7 +190,7 @@ def new_dir(roots, env, path):
 
 def relocated(roots, env, root, path):
     """Return *path*'s content fixed for its new place, or ``None`` if unchanged."""
-    from mpistage.elfdeps import is_elf
+    from mpistage.build.elfdeps import is_elf
 
     with open(path, "rb") as f:
         head = f.read(256)
@@ -233,51 +256,43 @@ def patch_string(data, offset, mapping, own_dir):
     return True
 
 
-def write_env(output, roots, env, libs):
-    """Write the environment bundle."""
-    import time
+def write_env(output, roots, env, libs, missing):
+    """Relocate what needs it and write the environment bundle."""
+    from mpistage.build.writer import write
 
-    from mpistage import __version__, bundle
-
-    if not output.endswith(bundle.SUFFIX):
-        raise StageError(f"bundle name {output!r} must end in {bundle.SUFFIX!r}")
-    manifest = {
+    for root in roots.paths:
+        roots.dest[root] = destination(roots, env, root)
+        for path in sorted(roots.files[root]):
+            place_member(roots, env, root, path)
+    if env.base:
+        for name in ("python", "python3"):
+            roots.links.append((0, f"bin/{name}", f"python{env.version}"))
+    fields = {
         "kind": "env",
         "created_by": "pack --env",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "mpistage": __version__,
-        "python": bundle.python_tag(),
+        "python": python_tag(env.version),
         "packages": [],
         "env": {
             "kind": env.kind,
             "prefix": env.prefix,
             "base": env.base,
             "libraries": sorted(libs),
+            "missing": missing,
         },
-        "roots": [
-            {"path": r, "dest": destination(roots, env, r), "listing": []}
-            for r in roots.paths
-        ],
     }
-    with bundle.BundleWriter(output) as writer:
-        for index, root in enumerate(roots.paths):
-            for path in sorted(roots.files[root]):
-                add_member(writer, roots, env, index, root, path)
-        if env.base:
-            for name in ("python", "python3"):
-                writer.add_link(0, f"bin/{name}", f"python{env.version}")
-        return writer.finish(manifest)
+    return write(output, roots, fields)
 
 
-def add_member(writer, roots, env, index, root, path):
-    """Add one file, relocated if it needs to be."""
+def place_member(roots, env, root, path):
+    """Record where one file goes and, if it must change, its new content."""
     if path == root:
         return
-    rel = _os.path.relpath(path, root)
+    source = path
     if destination(roots, env, root) == "lib":
         # The soname the loader asks for, with the content it resolves to.
-        rel, path = _os.path.basename(path), _os.path.realpath(path)
-    data = None
-    if _os.path.isfile(path) and not _os.path.islink(path):
-        data = relocated(roots, env, root, path)
-    writer.add(index, rel, path, data=data)
+        roots.rename[path] = _os.path.basename(path)
+        source = roots.source[path] = _os.path.realpath(path)
+    if _os.path.isfile(source) and not _os.path.islink(source):
+        data = relocated(roots, env, root, source)
+        if data is not None:
+            roots.data[path] = data

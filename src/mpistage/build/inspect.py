@@ -1,4 +1,4 @@
-"""``mpistage inspect``: what a bundle holds, from its manifest alone."""
+"""What a bundle holds, from its manifest alone: :func:`mpistage.inspect`."""
 
 import os as _os
 
@@ -35,7 +35,7 @@ def recorded(manifest):
 
 def render(manifest):
     """Return the summary of *manifest* as text."""
-    from mpistage.bundle import original_path
+    from mpistage.runtime.format import original_path
 
     files = [m for m in manifest["members"] if m["type"] == "file"]
     py = manifest["python"]
@@ -46,7 +46,11 @@ def render(manifest):
         f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})",
         *environment(manifest),
         "roots:",
-        *(f"  r{i} {root['path']}" for i, root in enumerate(manifest["roots"])),
+        *(
+            f"  r{i} {root['path']}"
+            for i, root in enumerate(manifest["roots"])
+            if any(m["root"] == i for m in manifest["members"])
+        ),
         f"files: {len(files)}, bytes: {sum(m['size'] for m in files)}",
         "largest:",
         *(
@@ -57,30 +61,8 @@ def render(manifest):
     return "\n".join(lines)
 
 
-def cli(argv):
-    """Run ``mpistage inspect BUNDLE``; return the exit status."""
-    import argparse
+def inspect(bundle):
+    """Return the checked manifest of *bundle* (reads its header and manifest only)."""
+    from mpistage.runtime.format import read_manifest
 
-    from mpistage.bundle import read_manifest
-    from mpistage.errors import StageError
-
-    p = argparse.ArgumentParser(
-        prog="mpistage inspect", description="Summarize a .mpistage bundle."
-    )
-    p.add_argument("bundle")
-    p.add_argument("--json", action="store_true", help="print the whole manifest")
-    args = p.parse_args(argv)
-    try:
-        manifest = read_manifest(args.bundle)
-    except OSError as exc:
-        raise StageError(
-            f"cannot read bundle {args.bundle!r}: {exc.strerror}"
-        ) from None
-    if args.json:
-        import json
-
-        print(json.dumps(manifest, indent=1))
-    else:
-        print(f"bundle: {_os.path.abspath(args.bundle)}")
-        print(render(manifest))
-    return 0
+    return read_manifest(bundle)

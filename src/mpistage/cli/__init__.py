@@ -1,49 +1,49 @@
-"""The ``mpistage`` command: ``pack``, ``record``, ``inspect``, ``stage``,
-``clean``, ``bench``, or run a target.
+"""The ``mpistage`` tools: one command-line layer over the library.
 
-``mpistage pack|inspect|clean ...`` are tools; anything else (``mpistage
-app.py``, ``mpistage -m mod``, ``mpistage run ...``) is the runner, exactly
-as ``python -m mpistage ...``. User errors print ``mpistage: error: ...``
-on one line and exit with status 1.
+Each tool is a module here with ``parser()`` (argparse) and ``run(args)``,
+which calls the library function of the same name with one keyword per
+flag (``mpistage pack`` is :func:`mpistage.pack`). :func:`main` is the one
+place that turns a :class:`~mpistage.StageError` into the one-line
+``mpistage: error: ...`` and exit status 1. The runner and the stager are
+not here: they run in every rank and live in :mod:`mpistage.runtime`.
 """
 
 import sys as _sys
 
-from mpistage.errors import StageError
-
-TOOLS = ("pack", "record", "inspect", "stage", "clean", "bench")
-
-
-def main(argv=None):
-    """Dispatch *argv* (default ``sys.argv[1:]``) to a tool or the runner."""
-    argv = list(_sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":
-        argv.pop(0)
-    if not argv or argv[0] not in TOOLS:
-        from mpistage.launch import main as run
-
-        return run(argv)
-    try:
-        code = tool(argv[0])(argv[1:])
-    except StageError as exc:
-        print(f"mpistage: error: {exc}", file=_sys.stderr)
-        code = 1
-    _sys.exit(code)
+TOOLS = {
+    "pack": "mpistage.cli.pack",
+    "record": "mpistage.cli.record",
+    "inspect": "mpistage.cli.inspect",
+    "clean": "mpistage.cli.clean",
+    "bench": "mpistage.bench.cli",
+}
+COMMANDS = ("stage", *TOOLS)
 
 
-def tool(name):
-    """Return the entry point of the tool *name*."""
+def main(argv):
+    """Run the tool named by ``argv[0]`` with the rest; return the exit status."""
     import importlib
 
-    module = importlib.import_module(f"mpistage.{TOOL_MODULES[name]}")
-    return module.cli
+    from mpistage import StageError
+
+    name, rest = argv[0], argv[1:]
+    try:
+        module = importlib.import_module(TOOLS[name])
+        return module.main(rest)
+    except StageError as exc:
+        error(exc)
+        return 1
 
 
-TOOL_MODULES = {
-    "pack": "pack_cli",
-    "record": "record_cli",
-    "inspect": "summary",
-    "stage": "stage_cli",
-    "clean": "clean",
-    "bench": "bench.cli",
-}
+def error(message):
+    """Print the one-line error of the command line."""
+    print(f"mpistage: error: {message}", file=_sys.stderr, flush=True)
+
+
+def unknown(word):
+    """Refuse a word that is neither a command nor a script; return 2."""
+    error(
+        f"unknown command {word!r}; commands: {', '.join(COMMANDS)} "
+        "(to run a script, give its path: mpistage ./app.py)"
+    )
+    return 2

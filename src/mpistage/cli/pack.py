@@ -1,15 +1,15 @@
-"""``mpistage pack``: the command line of :func:`mpistage.pack.pack`."""
+"""``mpistage pack``: the command line of :func:`mpistage.pack`."""
 
 import argparse as _argparse
-import sys
+import sys as _sys
 
 
 def parser():
     """Return the argument parser of ``mpistage pack``."""
     p = _argparse.ArgumentParser(
         prog="mpistage pack",
-        description="Bundle importable packages and sys.path directories "
-        "into one .mpistage file.",
+        description="Bundle importable packages, sys.path directories or a "
+        "whole environment into one .mpistage file.",
     )
     p.add_argument("-o", "--output", required=True, help="the bundle to write")
     p.add_argument(
@@ -20,15 +20,34 @@ def parser():
     )
     p.add_argument(
         "--path",
+        dest="paths",
         action="append",
         default=[],
         metavar="DIR",
         help="add the whole directory DIR as a sys.path root",
     )
     p.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="also bundle the standard library (served node-locally after activation)",
+    )
+    p.add_argument(
+        "--tests",
+        action="store_true",
+        help="keep packages' test directories (left out by default)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out members whose path below their root, or a parent "
+        "directory's, matches GLOB (e.g. '*/docs')",
+    )
+    p.add_argument(
         "--env",
         nargs="?",
-        const=sys.prefix,
+        const=_sys.prefix,
         metavar="PREFIX",
         help="bundle a whole environment (a venv with its base interpreter, a "
         "conda env, or a prefix; default: this Python's) for `mpistage stage`",
@@ -41,42 +60,30 @@ def parser():
         help="with --env: also leave out shared libraries matching GLOB "
         "(glibc and the loader are always left out)",
     )
-    p.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="leave out members whose path below their root, or a parent "
-        "directory's, matches GLOB (e.g. '*/tests')",
-    )
     return p
 
 
-def cli(argv):
-    """Run ``mpistage pack`` with *argv*; return the exit status."""
-    from mpistage.pack import pack
-    from mpistage.summary import render
+def main(argv):
+    """Run ``mpistage pack``; return the exit status."""
+    from mpistage import pack
+    from mpistage.build.inspect import render
 
     args = parser().parse_args(argv)
-    if args.env:
-        return cli_env(args)
-    manifest = pack(args.output, args.names, args.path, exclude=args.exclude)
+    manifest = pack(
+        args.output,
+        args.names,
+        paths=args.paths,
+        exclude=args.exclude,
+        stdlib=args.stdlib,
+        tests=args.tests,
+        env=args.env,
+        exclude_lib=args.exclude_lib,
+    )
     print(f"wrote {args.output}")
     print(render(manifest))
-    return 0
-
-
-def cli_env(args):
-    """Run ``mpistage pack --env``; warn about libraries that were not found."""
-    from mpistage.envpack import pack_env
-    from mpistage.errors import StageError
-    from mpistage.summary import render
-
-    if args.names or args.path:
-        raise StageError("--env packs a whole environment: give no names or --path")
-    manifest, missing = pack_env(args.output, args.env, args.exclude, args.exclude_lib)
-    print(f"wrote {args.output}")
-    print(render(manifest))
+    missing = manifest.get("env", {}).get("missing")
     if missing:
-        print(f"note: not found, so not bundled: {', '.join(missing)}", file=sys.stderr)
+        print(
+            f"note: not found, so not bundled: {', '.join(missing)}", file=_sys.stderr
+        )
     return 0

@@ -15,7 +15,7 @@ def parser():
         prog="mpistage record",
         description="Run a command once and bundle what its Python processes used.",
         usage="mpistage record -o OUT.mpistage [--granularity package|file] "
-        "-- CMD [ARG ...]",
+        "[--stdlib] -- CMD [ARG ...]",
     )
     p.add_argument("-o", "--output", required=True, help="the bundle to write")
     p.add_argument(
@@ -24,58 +24,25 @@ def parser():
         default="package",
         help="whole top-level packages (default) or only used files",
     )
+    p.add_argument(
+        "--no-stdlib",
+        dest="stdlib",
+        action="store_false",
+        help="leave out the standard library modules the program used",
+    )
     p.add_argument("command", nargs="*", help="the command, after --")
     return p
 
 
-def record_command(command):
-    """Run *command* with recorders; return (exit status, usages)."""
-    import glob
-    import json
-    import os
-    import subprocess
-    import tempfile
-
-    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hook")
-    with tempfile.TemporaryDirectory(prefix="mpistage-record-") as folder:
-        env = dict(os.environ, MPISTAGE_RECORD_DIR=folder)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (hook, os.environ.get("PYTHONPATH")) if p
-        )
-        try:
-            status = subprocess.call(command, env=env)
-        except OSError as exc:
-            from mpistage.errors import StageError
-
-            raise StageError(f"cannot run {command[0]!r}: {exc.strerror}") from None
-        usages = []
-        for path in sorted(glob.glob(os.path.join(folder, "usage.*.json"))):
-            with open(path) as f:
-                usages.append(json.load(f))
-    return status, usages
-
-
-def cli(argv):
+def main(argv):
     """Run ``mpistage record``; return the exit status."""
-    from mpistage.errors import StageError
-    from mpistage.record import build
-    from mpistage.summary import render
+    from mpistage.build.inspect import render
+    from mpistage.build.record import record
 
     args = parser().parse_args(argv)
-    if not args.command:
-        raise StageError("no command to record: mpistage record -o X -- python app.py")
-    status, usages = record_command(args.command)
-    if status != 0:
-        raise StageError(
-            f"the recorded command exited with status {status}; no bundle written"
-        )
-    if not usages:
-        raise StageError(
-            "no Python process was recorded: run a Python program "
-            "of this environment (python app.py)"
-        )
-    extra = {"command": args.command, "processes": len(usages)}
-    manifest = build(args.output, usages, args.granularity, "record", extra)
+    manifest = record(
+        args.output, args.command, granularity=args.granularity, stdlib=args.stdlib
+    )
     print(f"wrote {args.output}")
     print(render(manifest))
     return 0

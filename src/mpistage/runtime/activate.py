@@ -1,4 +1,4 @@
-"""Step 5 of the runner: every rank imports from its node's staged copy.
+"""Step 6: every rank imports from its node's staged copy.
 
 A path hook, first in ``sys.path_hooks``, takes over each bundled sys.path
 root (whether it is on ``sys.path`` now or is added later by the program):
@@ -33,7 +33,8 @@ class StagedFinder:
 
     def metadata_paths(self):
         """Where ``importlib.metadata`` looks for this root's distributions."""
-        return [self.staged, self.path] if self.unbundled_dists else [self.staged]
+        found = [self.staged] if self.staged else []
+        return found + [self.path] if self.unbundled_dists else found
 
     def finder(self, path):
         """Return the regular finder of *path*, made once by the other hooks."""
@@ -44,9 +45,12 @@ class StagedFinder:
     def find_spec(self, fullname, target=None):
         """Find *fullname* in the staged copy, else where the listing says.
 
-        Without a listing (*names* ``None``), always try the original.
+        Without a listing (*names* ``None``), always try the original. A root
+        the bundle holds nothing of has no staged copy (*staged* ``None``).
         """
-        spec = self.finder(self.staged).find_spec(fullname, target)
+        spec = None
+        if self.staged is not None:
+            spec = self.finder(self.staged).find_spec(fullname, target)
         if spec is None and (
             self.names is None or fullname.rpartition(".")[2] in self.names
         ):
@@ -90,23 +94,6 @@ class StagedHook:
         return finder
 
 
-def module_names(listing):
-    """Return the top-level module names a root listing can provide.
-
-    Directories count (packages, namespace portions), and files with a
-    suffix the import system loads; other files (data, ``.pth``) do not.
-    """
-    from importlib.machinery import all_suffixes
-
-    suffixes, names = tuple(all_suffixes()), set()
-    for entry in listing:
-        if entry.endswith("/") or entry.endswith(suffixes):
-            name = entry.rstrip("/").split(".", 1)[0]
-            if name.isidentifier():
-                names.add(name)
-    return names
-
-
 class MetadataFinder:
     """Stands in for ``PathFinder`` in ``sys.meta_path``.
 
@@ -147,6 +134,8 @@ def install_metadata_finder(finders):
     for index, finder in enumerate(_sys.meta_path):
         if finder is PathFinder:
             _sys.meta_path[index] = MetadataFinder(finder, finders)
+            return _sys.meta_path[index]
+    return None
 
 
 def unbundled_dists(listing, staged):
@@ -156,72 +145,69 @@ def unbundled_dists(listing, staged):
 
 
 class Activation:
-    """What activation changed, kept to classify the job's imports later."""
+    """What activation changed, so that it can be classified and undone."""
 
-    def __init__(self, root, hook, before):
-        self.root, self.hook, self.before = root, hook, before
-
-
-def partial_dirs(manifest, index):
-    """Return the directories of root *index* that the bundle holds in part.
-
-    A directory the bundle holds whole is a member of its own; one that only
-    leads to file members (``--granularity file``) is not.
-    """
-    whole, parents = set(), set()
-    for member in manifest["members"]:
-        if member["root"] != index:
-            continue
-        if member["type"] == "dir":
-            whole.add(member["rel"])
-        else:
-            rel = _os.path.dirname(member["rel"])
-            while rel and rel not in parents:
-                parents.add(rel)
-                rel = _os.path.dirname(rel)
-    return sorted(parents - whole)
+    def __init__(self, root, hook, meta, before):
+        self.root, self.hook, self.meta, self.before = root, hook, meta, before
 
 
-def activate(root, roots):
-    """Serve the bundled *roots* from the staging *root*.
+def finders_of(staged):
+    """Return the root finders and partial-directory finders of a staged bundle."""
+    from mpistage.runtime.roots import destinations, module_names, partial_dirs
 
-    Each root is (path, listing, directories held in part: see
-    :func:`partial_dirs`).
-    """
+    manifest, finders, partial = staged.manifest, {}, {}
+    held = {m["root"] for m in manifest["members"]}
+    for index, dest in enumerate(destinations(manifest)):
+        entry = manifest["roots"][index]
+        path, listing = entry["path"], entry.get("listing", [])
+        copy = _os.path.join(staged.path, dest) if index in held else None
+        extra = copy is None or unbundled_dists(listing, copy)
+        finders[path] = StagedFinder(path, copy, module_names(listing), extra)
+        for rel in partial_dirs(manifest, index):
+            inside, original = _os.path.join(copy, rel), _os.path.join(path, rel)
+            partial[inside] = StagedFinder(original, inside, None, False)
+    return finders, partial
+
+
+def activate(staged):
+    """Serve the bundled roots of *staged* from its node-local copy."""
     import importlib
 
-    finders, partial = {}, {}
-    for index, (path, listing, part) in enumerate(roots):
-        staged = _os.path.join(root, f"r{index}")
-        extra = unbundled_dists(listing, staged)
-        finders[path] = StagedFinder(path, staged, module_names(listing), extra)
-        for rel in part:
-            inside, original = _os.path.join(staged, rel), _os.path.join(path, rel)
-            partial[inside] = StagedFinder(original, inside, None, False)
+    finders, partial = finders_of(staged)
     hook = StagedHook(finders, partial)
     _sys.path_hooks.insert(0, hook)
-    install_metadata_finder(finders)
+    meta = install_metadata_finder(finders)
+    forget(finders)
+    importlib.invalidate_caches()
+    return Activation(staged.path, hook, meta, set(_sys.modules))
+
+
+def forget(finders):
+    """Drop cached path finders of bundled roots, so the hook is asked again."""
     for path in list(_sys.path_importer_cache):
         if _os.path.abspath(path or ".") in finders:
             del _sys.path_importer_cache[path]
+
+
+def deactivate(activation):
+    """Undo :func:`activate`: hooks and finders as before, caches dropped."""
+    import importlib
+
+    if activation.hook in _sys.path_hooks:
+        _sys.path_hooks.remove(activation.hook)
+    for index, finder in enumerate(_sys.meta_path):
+        if finder is activation.meta:
+            _sys.meta_path[index] = activation.meta.base
+    for path, finder in list(_sys.path_importer_cache.items()):
+        if isinstance(finder, StagedFinder):
+            del _sys.path_importer_cache[path]
     importlib.invalidate_caches()
-    return Activation(root, hook, set(_sys.modules))
-
-
-def stdlib_dir():
-    """Return the standard library's directory (it holds lib-dynload too)."""
-    return _os.path.dirname(_os.__file__)
-
-
-def in_stdlib(path):
-    """Whether *path* is part of the standard library (not site-packages)."""
-    return path.startswith(stdlib_dir() + _os.sep) and not any(
-        part in ("site-packages", "dist-packages") for part in path.split(_os.sep)
-    )
 
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
+    from mpistage.runtime.roots import in_stdlib
+
     served, missed, stdlib = [], [], []
     root = activation.root + _os.sep
     for name, module in list(_sys.modules.items()):

@@ -1,4 +1,4 @@
-"""The bundle file format: one file, random access, a JSON manifest.
+"""The bundle file format, read side: header, manifest, and its checks.
 
 Layout (all integers little-endian)::
 
@@ -8,24 +8,25 @@ Layout (all integers little-endian)::
     data      member contents, concatenated in manifest order
     manifest  UTF-8 JSON, see docs/bundle-format.md
 
-Readers need only the header and the manifest to find any member, so
-``mpistage inspect`` reads a few kilobytes, and the runner can read the whole
-file in one sequential pass. Writing is atomic: a temporary file in the same
-directory, renamed over the target when complete.
+A bundle is untrusted input. :func:`check` refuses a manifest whose shape is
+wrong (a missing key, a root index out of range, an unknown member type, a
+path that is absolute or climbs with ``..``, data outside the data section)
+before any rank acts on it, so extraction may rely on its shape. The writer
+is :mod:`mpistage.build.writer`.
 """
 
-import hashlib as _hashlib
-import json as _json
-import os as _os
 import struct as _struct
 import sys as _sys
+
+from mpistage import StageError
 
 MAGIC = b"MPISTAGE"
 FORMAT = 1
 HEADER = _struct.Struct("<8sIIQQ32s")
 HEADER_SIZE = 64
 SUFFIX = ".mpistage"
-_COPY = 1 << 20
+KINDS = ("packages", "env")
+MEMBER_TYPES = ("file", "dir", "link")
 
 
 def python_tag():
@@ -40,9 +41,9 @@ def python_tag():
     }
 
 
-def python_mismatch(manifest):
-    """Return why *manifest* does not fit the running Python, or ``None``."""
-    want, have = manifest.get("python", {}), python_tag()
+def python_mismatch(manifest, have=None):
+    """Return why *manifest* does not fit the Python *have* (default: this one)."""
+    want, have = manifest.get("python", {}), have or python_tag()
     for key in ("implementation", "version", "ext_suffix"):
         if want.get(key) != have[key]:
             return (
@@ -55,8 +56,6 @@ def python_mismatch(manifest):
 
 def parse_header(head, size, name):
     """Check the 64-byte header; return (manifest offset, length, digest)."""
-    from mpistage.errors import StageError
-
     if len(head) < HEADER_SIZE:
         raise StageError(f"bundle {name!r} is truncated: {size} bytes")
     magic, fmt, _, offset, length, digest = HEADER.unpack_from(head)
@@ -64,7 +63,7 @@ def parse_header(head, size, name):
         raise StageError(f"{name!r} is not an mpistage bundle: bad magic {magic!r}")
     if fmt != FORMAT:
         raise StageError(f"bundle {name!r} has format {fmt}, expected {FORMAT}")
-    if offset + length != size:
+    if offset < HEADER_SIZE or offset + length != size:
         raise StageError(
             f"bundle {name!r} is truncated or padded: {size} bytes, "
             f"header says {offset + length}"
@@ -74,115 +73,118 @@ def parse_header(head, size, name):
 
 def load_manifest(raw, digest, name):
     """Decode the manifest bytes *raw* after checking them against *digest*."""
-    from mpistage.errors import StageError
+    import hashlib
+    import json
 
-    if _hashlib.sha256(raw).digest() != digest:
+    if hashlib.sha256(raw).digest() != digest:
         raise StageError(f"bundle {name!r} is corrupt: manifest checksum mismatch")
-    return _json.loads(bytes(raw))
+    try:
+        manifest = json.loads(bytes(raw))
+    except ValueError as exc:
+        raise StageError(f"bundle {name!r} is malformed: manifest: {exc}") from None
+    return manifest
 
 
 def manifest_of(buf, name):
-    """Validate an in-memory bundle *buf* and return its manifest."""
+    """Validate an in-memory bundle *buf*; return its checked manifest."""
     offset, length, digest = parse_header(buf[:HEADER_SIZE], len(buf), name)
-    return load_manifest(memoryview(buf)[offset : offset + length], digest, name)
+    raw = memoryview(buf)[offset : offset + length]
+    return check(load_manifest(raw, digest, name), offset, name)
 
 
 def read_manifest(path):
-    """Read only the header and manifest of the bundle at *path*."""
-    with open(path, "rb") as f:
-        size = _os.fstat(f.fileno()).st_size
-        offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
-        f.seek(offset)
-        return load_manifest(f.read(length), digest, path)
+    """Read only the header and manifest of the bundle at *path*, checked."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
+            f.seek(offset)
+            raw = f.read(length)
+    except OSError as exc:
+        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
+    return check(load_manifest(raw, digest, path), offset, path)
 
 
 def original_path(manifest, member):
     """Return the absolute path *member* had when it was bundled."""
-    return _os.path.join(manifest["roots"][member["root"]]["path"], member["rel"])
+    return manifest["roots"][member["root"]]["path"] + "/" + member["rel"]
 
 
-class BundleWriter:
-    """Write a bundle atomically: members are streamed, the manifest comes last.
+# -- the shape of a manifest ---------------------------------------------------
 
-    Use as a context manager; on an exception the temporary file is removed
-    and the target is left untouched.
+
+def check(manifest, data_end, name):
+    """Return *manifest* if its shape is sound, else raise one clear error.
+
+    *data_end* is where the data section ends (the manifest offset).
     """
+    where = "manifest"
+    try:
+        expect(isinstance(manifest, dict), "is not an object")
+        expect(manifest.get("kind", "packages") in KINDS, "has an unknown kind")
+        expect(isinstance(manifest.get("python"), dict), "has no python tag")
+        roots = manifest.get("roots")
+        expect(isinstance(roots, list), "has no roots list")
+        for index, root in enumerate(roots):
+            where = f"root {index}"
+            check_root(root)
+        members = manifest.get("members")
+        expect(isinstance(members, list), "has no members list")
+        for index, member in enumerate(members):
+            where = f"member {index}"
+            check_member(member, len(roots), data_end)
+    except ValueError as exc:
+        raise StageError(f"bundle {name!r} is malformed: {where} {exc}") from None
+    return manifest
 
-    def __init__(self, path):
-        self.path = _os.path.abspath(path)
-        import tempfile
 
-        from mpistage.errors import StageError
+def expect(condition, problem):
+    """Raise ``ValueError(problem)`` unless *condition* holds."""
+    if not condition:
+        raise ValueError(problem)
 
-        try:
-            fd, self._tmp = tempfile.mkstemp(
-                dir=_os.path.dirname(self.path), prefix=".mpistage-", suffix=".tmp"
-            )
-        except OSError as exc:
-            raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
-        self._file = _os.fdopen(fd, "wb")
-        self._file.write(bytes(HEADER_SIZE))
-        self.members = []
 
-    def __enter__(self):
-        return self
+def check_root(root):
+    """Check one root entry: an absolute path, a safe destination, a listing."""
+    expect(isinstance(root, dict), "is not an object")
+    path = root.get("path")
+    expect(isinstance(path, str) and path.startswith("/"), "has no absolute path")
+    expect("\0" not in path, "has a NUL in its path")
+    dest = root.get("dest")
+    if dest is not None:
+        expect(
+            isinstance(dest, str) and (dest == "" or safe_rel(dest)), "has a bad dest"
+        )
+    listing = root.get("listing", [])
+    expect(isinstance(listing, list), "has a bad listing")
+    expect(all(isinstance(e, str) for e in listing), "has a bad listing entry")
 
-    def __exit__(self, kind, value, tb):
-        if kind is not None:
-            self._file.close()
-            _os.unlink(self._tmp)
 
-    def add(self, root, rel, path, data=None):
-        """Add the file, directory or symlink at *path* as *rel* under *root*.
+def check_member(member, roots, data_end):
+    """Check one member: its root, a safe relative path, its type and data."""
+    expect(isinstance(member, dict), "is not an object")
+    expect(safe_rel(member.get("rel")), f"has a bad path {member.get('rel')!r}")
+    root = member.get("root")
+    expect(isinstance(root, int) and 0 <= root < roots, f"has bad root {root!r}")
+    kind = member.get("type")
+    expect(kind in MEMBER_TYPES, f"has unknown type {kind!r}")
+    for key in ("mode", "mtime_ns"):
+        expect(isinstance(member.get(key), int), f"has no whole-number {key}")
+    if kind == "link":
+        target = member.get("target")
+        expect(
+            isinstance(target, str) and target and "\0" not in target, "has no target"
+        )
+    if kind == "file":
+        offset, size = member.get("offset"), member.get("size")
+        expect(isinstance(offset, int) and isinstance(size, int), "has no offset")
+        expect(HEADER_SIZE <= offset and 0 <= size, "has a bad offset")
+        expect(offset + size <= data_end, "has data outside the data section")
 
-        *data*, when given, replaces the file's content (a relocated script
-        or binary); its mode and mtime still come from *path*.
-        """
-        st = _os.lstat(path)
-        member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
-        member["mtime_ns"] = st.st_mtime_ns
-        if _os.path.islink(path):
-            member.update(type="link", target=_os.readlink(path), size=0)
-        elif _os.path.isdir(path):
-            member.update(type="dir", size=0)
-        elif data is not None:
-            member.update(type="file", **self._write(data))
-        else:
-            member.update(type="file", **self._copy(path))
-        self.members.append(member)
 
-    def add_link(self, root, rel, target):
-        """Add a symlink *rel* under *root* pointing to *target*."""
-        member = {"rel": rel, "root": root, "mode": 0o777, "mtime_ns": 0}
-        self.members.append(dict(member, type="link", target=target, size=0))
-
-    def _write(self, data):
-        digest = _hashlib.sha256(data).hexdigest()
-        offset = self._file.tell()
-        self._file.write(data)
-        return {"offset": offset, "size": len(data), "sha256": digest}
-
-    def _copy(self, path):
-        offset, digest, size = self._file.tell(), _hashlib.sha256(), 0
-        with open(path, "rb") as src:
-            while chunk := src.read(_COPY):
-                digest.update(chunk)
-                self._file.write(chunk)
-                size += len(chunk)
-        return {"offset": offset, "size": size, "sha256": digest.hexdigest()}
-
-    def finish(self, manifest):
-        """Append *manifest* (plus the members), fill the header, rename."""
-        manifest = dict(manifest, format=FORMAT, members=self.members)
-        raw = _json.dumps(manifest, separators=(",", ":")).encode()
-        offset = self._file.tell()
-        self._file.write(raw)
-        self._file.seek(0)
-        digest = _hashlib.sha256(raw).digest()
-        self._file.write(HEADER.pack(MAGIC, FORMAT, 0, offset, len(raw), digest))
-        self._file.flush()
-        _os.fsync(self._file.fileno())
-        self._file.close()
-        _os.chmod(self._tmp, 0o644)
-        _os.replace(self._tmp, self.path)
-        return manifest
+def safe_rel(rel):
+    """Whether *rel* is a plain relative path that stays below its root."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or rel.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))

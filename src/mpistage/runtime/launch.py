@@ -1,21 +1,18 @@
 """The runner: ``python -m mpistage [options] (app.py | -m mod | -c code) [args]``.
 
-It mirrors ``python -m mpi4py``: ``sys.argv``, ``__main__`` and exit codes
-behave as with plain python, and an unhandled exception on any rank aborts
-the whole job with ``MPI_Abort`` after its traceback is printed. With a
-bundle, the steps run first, each in its own module:
-topology → read → broadcast → stage → activate → run → report.
-Errors in those steps are agreed by all ranks (:func:`mpistage.errors.agree`):
-rank 0 prints one line, partial staging roots are removed, and every rank
-exits with status 1.
+A thin shell over :class:`~mpistage.runtime.session.Session`. It mirrors
+``python -m mpi4py``: ``sys.argv``, ``__main__`` and exit codes behave as with
+plain python, and an unhandled exception or a nonzero exit on any rank
+prints its traceback and ends the whole job with ``MPI_Abort``, after this
+node's copy is removed. Errors of the steps are agreed by all ranks: rank 0
+prints one ``mpistage: error:`` line and every rank exits with status 1.
 """
 
 import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage.collective import attempt, barrier
-from mpistage.errors import StageError
+from mpistage import StageError
 
 USAGE = """\
 usage: python -m mpistage [options] <app.py> [arg] ...
@@ -26,13 +23,13 @@ options:
   --bundle FILE   stage FILE (.mpistage) node-locally and import from it
                   (default: $MPISTAGE_BUNDLE; without a bundle the target
                   simply runs)
-  --auto          learn the bundle on the first run (rank 0 records), replay
-                  it on later runs, rebuild it when stale
+  --auto          learn the bundle on the first run (every rank records),
+                  replay it on later runs, rebuild it when stale
   --cache-dir DIR where --auto keeps bundles (default: $MPISTAGE_CACHE_DIR,
                   else $XDG_CACHE_HOME/mpistage or ~/.cache/mpistage)
   --validate=MODE staleness check by rank 0 before the broadcast: default
-                  (directory mtimes, member sizes and mtimes) or strict
-                  (also checksums)
+                  (distributions, directories, files no distribution owns),
+                  files (every file's size and mtime) or strict (checksums)
   --trust         skip the staleness check
   --keep          keep the staging roots after the job
   --report        print a summary of the job on rank 0 (stderr)
@@ -43,7 +40,10 @@ environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
 MPISTAGE_CACHE_DIR.
 
-tools: mpistage {pack,record,inspect,stage,clean,bench} --help"""
+tools: mpistage {pack,record,inspect,stage,run,clean,bench} --help"""
+
+VALUED = ("--bundle", "--cache-dir", "--validate")
+SWITCHES = ("--keep", "--report", "--auto")
 
 
 class Options:
@@ -76,33 +76,13 @@ def parse(argv):
     """Split *argv* into runner :class:`Options` and the target's arguments."""
     options, args = Options(), list(argv)
     while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
-        opt, eq, value = args.pop(0).partition("=")
-        if opt in ("-h", "--help"):
-            print(USAGE)
-            _sys.exit(0)
-        elif opt == "--version":
-            from mpistage import __version__
-
-            print(f"mpistage {__version__}")
-            _sys.exit(0)
-        elif opt in ("--bundle", "--cache-dir", "--validate"):
-            if not eq:
-                value = args.pop(0) if args else ""
-            if not value:
-                usage_error(f"{opt} needs a value")
-            setattr(options, opt[2:].replace("-", "_"), value)
-        elif opt in ("--keep", "--report", "--auto") and not eq:
-            setattr(options, opt[2:], True)
-        elif opt == "--trust" and not eq:
-            options.validate = "trust"
-        else:
-            usage_error(f"unknown option {opt!r}")
+        take_option(options, args)
     if not args:
         usage_error("no target: give app.py, -m module or -c code")
     if args[0] in ("-m", "-c") and len(args) < 2:
         usage_error(f"{args[0]} needs an argument")
-    if options.validate not in ("default", "strict", "trust"):
-        usage_error(f"--validate={options.validate!r}: use default or strict")
+    if options.validate not in ("default", "files", "strict", "trust"):
+        usage_error(f"--validate={options.validate!r}: use default, files or strict")
     if options.auto and options.bundle:
         usage_error("--auto and --bundle exclude each other")
     if not options.auto:
@@ -110,250 +90,183 @@ def parse(argv):
     return options, args
 
 
-class Job:
-    """One run of the runner on one rank: the steps and what they produced."""
+def take_option(options, args):
+    """Consume the option at the head of *args* into *options*."""
+    opt, eq, value = args.pop(0).partition("=")
+    if opt in ("-h", "--help"):
+        print(USAGE)
+        _sys.exit(0)
+    elif opt == "--version":
+        from mpistage import __version__
+
+        print(f"mpistage {__version__}")
+        _sys.exit(0)
+    elif opt in VALUED:
+        if not eq:
+            value = args.pop(0) if args else ""
+        if not value:
+            usage_error(f"{opt} needs a value")
+        setattr(options, opt[2:].replace("-", "_"), value)
+    elif opt in SWITCHES and not eq:
+        setattr(options, opt[2:], True)
+    elif opt == "--trust" and not eq:
+        options.validate = "trust"
+    else:
+        usage_error(f"unknown option {opt!r}")
+
+
+class Runner:
+    """One run of the runner on one rank: the session, the target, the end."""
 
     def __init__(self, world, options, args):
-        self.world, self.options, self.args = world, options, list(args)
-        self.seconds, self.root, self.activation = {}, None, None
-        self.topology, self.bytes = None, 0
-        self.recorder, self.auto, self.validation = None, None, None
+        from mpistage.runtime.session import Session
 
-    def timed(self, step, func, *args):
-        """Run *func* collectively as *step*, recording this rank's seconds."""
-        start = _time.perf_counter()
-        try:
-            return attempt(self.world, func, *args)
-        finally:
-            self.seconds[step] = _time.perf_counter() - start
+        self.world, self.options, self.args = world, options, list(args)
+        self.session = Session(world, options.bundle, options.validate, options.keep)
+        self.session.on_close.append(self.wrap_up)
+        self.recorder, self.auto, self.status = None, None, 0
 
     def start(self):
-        """Run topology → read → broadcast → stage → activate."""
-        from mpistage.topology import discover
+        """Check the target, then stage (or, with ``--auto``, maybe record)."""
+        from mpistage.runtime.collective import attempt
 
-        self.topology = self.timed("topology", discover, self.world)
-        if self.options.auto and self.world.rank == 0:
-            from mpistage.cache import bundle_path
+        attempt(self.world, self.check_target)
+        self.session.discover()
+        if self.options.auto:
+            self.start_auto()
+        elif self.options.bundle:
+            self.session.start()
 
-            self.options.bundle = bundle_path(self.args, self.options.cache_dir)
-        if not (self.options.bundle or self.options.auto):
-            return
-        buf = self.timed("read", self.read)
-        if not self.world.bcast(buf is not None if self.world.rank == 0 else None):
-            return self.start_recording()
-        buf = self.timed("broadcast", self.broadcast, buf)
-        tag = self.world.bcast(job_tag() if self.world.rank == 0 else None, 0)
-        plan = self.timed("stage", self.stage, buf, tag)
-        del buf
-        stale = self.timed("validate", self.verdict)
-        if self.world.bcast(stale if self.world.rank == 0 else None):
-            self.discard()
-            return self.start_recording()
-        self.timed("activate", self.activate, plan)
+    def check_target(self):
+        """Rank 0: refuse a script that is not there, before staging anything."""
+        script = self.args[0]
+        if self.world.rank == 0 and script not in ("-m", "-c", "-"):
+            if not _os.path.isfile(script):
+                raise StageError(f"can't open file {script!r}: no such file")
 
-    def read(self):
-        """Rank 0 reads and checks the bundle; the others wait.
+    def start_auto(self):
+        """Replay the cached bundle, or record this run when there is none."""
+        from mpistage.runtime import auto
+        from mpistage.runtime.collective import attempt
 
-        Returns the bundle bytes on rank 0, or ``None`` when ``--auto`` has
-        no usable cached bundle and must record one.
-        """
-        if self.world.rank != 0:
-            return None
-        if not self.options.auto:
-            return self.checked_bundle()
-        if not _os.path.exists(self.options.bundle):
-            self.auto = "recorded (no cached bundle)"
-            return None
-        try:
-            buf = self.checked_bundle()
-        except StageError as exc:
-            self.auto = f"recorded ({exc})"
-            return None
-        self.auto = "replayed"
-        return buf
-
-    def checked_bundle(self):
-        """Read the bundle, refuse another Python's, start the staleness check."""
-        from mpistage.bundle import manifest_of, python_mismatch
-        from mpistage.read import read_bundle
-        from mpistage.validate import Background
-
-        path = self.options.bundle
-        buf = read_bundle(path)
-        manifest = manifest_of(buf, path)
-        if manifest.get("kind") == "env":
-            raise StageError(
-                f"{path!r} is an environment bundle: stage it with "
-                "`mpistage stage` and run DIR/bin/python"
-            )
-        mismatch = python_mismatch(manifest)
-        if mismatch:
-            raise StageError(f"bundle {path!r} is {mismatch}")
-        if self.options.validate != "trust":
-            self.validation = Background(manifest, self.options.validate)
-        return buf
-
-    def verdict(self):
-        """Rank 0 waits for the staleness check (it ran during the broadcast).
-
-        A stale bundle is an error with ``--bundle``; with ``--auto`` the
-        reason is returned and the job records a new one instead.
-        """
-        if self.world.rank != 0 or self.validation is None:
-            return None
-        stale = self.validation.result()
-        if not stale:
-            return None
-        message = (
-            f"bundle {self.options.bundle!r} is stale: "
-            f"{', '.join(map(repr, stale))} changed since it was made; "
-            "rebuild it, or run with --trust to use it anyway"
+        session, rank0 = self.session, self.world.rank == 0
+        session.discover()
+        path = auto.bundle_path(self.args, self.options.cache_dir) if rank0 else None
+        session.bundle = path = self.world.bcast(path, root=0)
+        buf, manifest, verdict = attempt(
+            self.world,
+            lambda: auto.read_cached(path, session.staleness) if rank0 else (None,) * 3,
         )
-        if not self.options.auto:
-            raise StageError(message)
-        self.auto = f"recorded ({message})"
-        return message
+        verdict = self.world.bcast(verdict, root=0)
+        self.auto = verdict or "replayed"
+        if verdict:
+            self.recorder = auto.start_recording()
+        else:
+            session.spread(buf, manifest)
 
-    def discard(self):
-        """Leaders remove a staged copy that will not be used."""
-        if self.topology.is_leader and self.root:
-            from mpistage.stage import remove_root
+    def run(self):
+        """Run the target like ``python -m mpi4py``; end the job if it fails."""
+        start = _time.perf_counter()
+        try:
+            run_command_line(self.args)
+        except SystemExit as exc:
+            self.status = exit_status(exc)
+            if self.status:
+                self.abort(exc)
+        except BaseException as exc:
+            self.abort(exc)
+        self.session.seconds["run"] = _time.perf_counter() - start
 
-            remove_root(self.root)
-        self.root, self.bytes = None, 0
+    def abort(self, exc):
+        """Remove this node's copy, show what went wrong, end the whole job."""
+        from mpistage.runtime.collective import abort
 
-    def start_recording(self):
-        """``--auto`` without a usable bundle: rank 0 records this run."""
-        if self.world.rank == 0:
-            from mpistage.record import Recorder
-
-            self.recorder = Recorder()
-
-    def broadcast(self, buf):
-        """Leaders receive the bundle bytes from rank 0."""
-        from mpistage.broadcast import broadcast
-
-        if not self.topology.is_leader:
-            return None
-        return broadcast(self.topology.leaders, buf)
-
-    def stage(self, buf, tag):
-        """Leaders write their node's copy; every rank learns where it is."""
-        from mpistage import stage
-        from mpistage.activate import partial_dirs
-        from mpistage.bundle import manifest_of
-
-        plan = None
-        if self.topology.is_leader:
-            self.bytes = len(buf)
-            manifest = manifest_of(buf, self.options.bundle)
-            self.root = stage.make_root(tag, self.topology.index, len(buf))
-            stage.write_tree(self.root, buf, manifest, self.options.bundle)
-            roots = [
-                (r["path"], r["listing"], partial_dirs(manifest, i))
-                for i, r in enumerate(manifest["roots"])
-            ]
-            plan = (self.root, roots)
-        return plan
-
-    def activate(self, plan):
-        """Every rank maps the bundled roots to its node's staged copy."""
-        from mpistage.activate import activate
-
-        root, roots = self.topology.node.bcast(plan, root=0)
-        self.root = root
-        self.activation = activate(root, roots)
-
-    def fail(self, error):
-        """End the job after an agreed error: one line, cleanup, exit 1."""
-        if self.topology is not None:
-            self.discard()
-        if self.world.rank == 0:
-            print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
-        _sys.exit(1)
+        self.session.abandon()
+        if isinstance(exc, SystemExit):
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=_sys.stderr)
+        else:
+            _sys.excepthook(type(exc), exc, exc.__traceback__)
+        _sys.stdout.flush()
+        _sys.stderr.flush()
+        abort(self.world, exit_status(exc))
 
     def finish(self):
-        """Report on rank 0, then each leader removes its staging root."""
-        from mpistage import report
+        """Report, save a learned bundle, remove the copy; return the status."""
+        self.session.close()
+        return self.status
 
-        local = self.local_report()
-        barrier(self.world)
-        ranks = self.world.gather(local, root=0)
+    def wrap_up(self, session):
+        """At close (or inside ``MPI_Finalize``): save what was learned, report."""
+        from mpistage.runtime import report
+
+        if self.recorder is not None:
+            from mpistage.runtime import auto
+
+            auto.save(self.world, self.recorder, session.bundle, self.args)
+        if not (self.options.report or _os.environ.get("MPISTAGE_REPORT")):
+            return
+        facts = report.local_facts(session, session.seconds)
+        ranks = self.world.gather(facts, root=0)
         if self.world.rank == 0:
-            self.save_recording()
             summary = report.summarize(self.job_facts(), ranks)
             report.emit(summary, self.options.report)
-        barrier(self.topology.node)
-        if self.topology.is_leader and self.root and not self.options.keep:
-            from mpistage.stage import remove_root
-
-            remove_root(self.root)
-
-    def save_recording(self):
-        """Rank 0 of an ``--auto`` run that recorded writes the bundle."""
-        if self.recorder is not None:
-            from mpistage.cache import save
-
-            save(self.recorder, self.options.bundle, self.args)
-
-    def local_report(self):
-        """Return this rank's timings and import counts."""
-        from mpistage.activate import classify
-
-        empty = {"served": [], "missed": [], "stdlib": []}
-        modules = classify(self.activation) if self.activation else empty
-        return {"seconds": self.seconds, "modules": modules, "stage_root": self.root}
 
     def job_facts(self):
         """Return the job-wide facts rank 0 knows."""
+        session = self.session
         return {
-            "nodes": self.topology.count,
-            "bundle": self.options.bundle,
-            "bundle_bytes": self.bytes,
+            "nodes": session.topology.count if session.topology else 1,
+            "bundle": session.bundle,
+            "bundle_bytes": session.staged.nbytes if session.staged else 0,
             "auto": self.auto,
         }
 
 
-def job_tag():
-    """Return a name for this job, unique on the node: scheduler id and pid."""
-    import socket
+def exit_status(exc):
+    """Return the exit status a ``SystemExit`` or other exception stands for."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 1
 
-    for name in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
-        if _os.environ.get(name):
-            prefix = _os.environ[name].split(".")[0]
-            break
+
+def run_command_line(args):
+    """Run ``app.py | -m mod | -c code`` with *args* as ``sys.argv``."""
+    import runpy
+
+    _sys.argv[:] = args
+    if args[0] == "-c":
+        code = compile(_sys.argv.pop(1), "<string>", "exec", 0, True)
+        runpy._run_module_code(code, None, "__main__", script_name="-c")
+    elif args[0] == "-m":
+        del _sys.argv[0]
+        runpy.run_module(_sys.argv[0], run_name="__main__", alter_sys=True)
     else:
-        prefix = socket.gethostname().split(".")[0]
-    return f"{prefix}-{_os.getpid()}-{_time.time_ns() % 10**9:09d}"
+        _sys.path[0] = _os.path.realpath(_os.path.dirname(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
 
 
-def run_target(job, args):
-    """Run the target like ``python -m mpi4py``, aborting on any failure."""
-    from mpi4py.run import run_command_line, set_abort_status
-
-    start = _time.perf_counter()
+def main(world, argv):
+    """Run the target of *argv* with staging on every rank of *world*."""
+    options, args = parse(argv)
+    runner = Runner(world, options, args)
     try:
-        run_command_line(args)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            set_abort_status(exc)
-            raise
-    except BaseException as exc:
-        set_abort_status(exc if isinstance(exc, KeyboardInterrupt) else 1)
-        raise
-    job.seconds["run"] = _time.perf_counter() - start
-
-
-def main(argv=None):
-    """Run the target of *argv* (default ``sys.argv[1:]``) with staging."""
-    options, args = parse(_sys.argv[1:] if argv is None else argv)
-    import mpi4py.run  # noqa: F401  (loaded before activation: not a miss)
-    from mpi4py import MPI
-
-    job = Job(MPI.COMM_WORLD, options, args)
-    try:
-        job.start()
+        runner.start()
     except StageError as exc:
-        job.fail(exc)
-    run_target(job, args)
-    job.finish()
+        fail(runner, exc)
+    runner.run()
+    try:
+        return runner.finish()
+    except StageError as exc:
+        fail(runner, exc)
+
+
+def fail(runner, error):
+    """End every rank after an agreed error: one line, cleanup, exit 1."""
+    runner.session.abandon()
+    if runner.world.rank == 0:
+        print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
+    _sys.exit(1)

@@ -1,25 +1,28 @@
-"""Step 4 of the runner: each node leader writes the bundle to a private root.
+"""Where a node's copy lives: safe staging directories, and their removal.
 
-The staging root is ``<candidate>/mpistage-<uid>/job-<job>.n<node>``:
-per user, per job and per (emulated) node, mode 0700. The candidates are the
+A staging root is ``<candidate>/mpistage-<uid>/job-<job>.n<node>``: per
+user, per job and per (emulated) node, mode 0700. The candidates are the
 entries of ``MPISTAGE_STAGE_DIR`` (``os.pathsep``-separated), then /dev/shm,
-``$TMPDIR`` and /tmp unless ``MPISTAGE_STAGE_FALLBACK=no``. The first
-candidate that is a directory with room for the bundle, and whose user
-directory is safe, is used; a refused candidate is reported with its reason.
+``$TMPDIR`` and /tmp unless ``MPISTAGE_STAGE_FALLBACK=no``. ``mpistage stage
+--to DIR`` uses the same rules for ``DIR``.
 
-Safety: the user directory is created with mode 0700 and opened with
-``O_NOFOLLOW``; a symlink, a directory owned by someone else, or one that
-others can write to is refused. The job directory is created fresh inside
-it, so no file of the job can be redirected by another user.
+The one rule for a safe directory, as ssh's StrictModes has it: the path is
+resolved once, then opened component by component from ``/`` relative to
+the parent's descriptor, never following a symlink, and every component
+must belong to root or to us and must not be writable by others unless it
+is sticky. Below it, everything is created relative to directory
+descriptors opened once: another user can neither swap a component nor
+redirect a file. :func:`remove` is the one way anything staged is deleted.
 """
 
-import hashlib as _hashlib
+import errno as _errno
 import os as _os
 
-from mpistage.errors import StageError
+from mpistage import StageError
 
 DEFAULT_CANDIDATES = ("/dev/shm", "$TMPDIR", "/tmp")
 OWNER_FILE = ".mpistage-owner"
+DIR_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 _TRUE = ("1", "yes", "on", "true")
 _FALSE = ("0", "no", "off", "false")
 
@@ -36,155 +39,260 @@ def flag(name, default):
 
 def candidates():
     """Return the staging candidates in order of preference."""
-    found = [p for p in _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)]
+    found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)
     if flag("MPISTAGE_STAGE_FALLBACK", True):
         found += [_os.path.expandvars(p) for p in DEFAULT_CANDIDATES]
-    unique = []
-    for path in found:
-        if path and not path.startswith("$") and path not in unique:
-            unique.append(path)
-    return unique
+    return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
 
 
-def user_dir(candidate):
-    """Return ``<candidate>/mpistage-<uid>``, created 0700 and checked safe."""
-    path = _os.path.join(candidate, f"mpistage-{_os.getuid()}")
+class Root:
+    """A staging directory: its resolved path, and descriptors of it and its parent."""
+
+    def __init__(self, path, fd, parent_fd):
+        self.path, self.fd, self.parent_fd = path, fd, parent_fd
+        self.name = _os.path.basename(path)
+
+    def close(self):
+        """Close the descriptors (the directory stays)."""
+        for fd in (self.fd, self.parent_fd):
+            if fd is not None:
+                _os.close(fd)
+        self.fd = self.parent_fd = None
+
+
+# -- the one rule for safe directories ------------------------------------------
+
+
+def open_safe(path):
+    """Open the existing directory *path* safely; return (resolved path, fd)."""
+    real = _os.path.realpath(path)
+    fd = _os.open("/", DIR_FLAGS)
     try:
-        _os.mkdir(path, 0o700)
+        check_ancestor(_os.fstat(fd), "/")
+        done = ""
+        for part in real.split("/")[1:]:
+            done += "/" + part
+            fd = step_into(fd, part, done)
+            check_ancestor(_os.fstat(fd), done)
+    except BaseException:
+        _os.close(fd)
+        raise
+    return real, fd
+
+
+def step_into(fd, name, path):
+    """Open the directory *name* below *fd* without following a symlink."""
+    try:
+        child = _os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        reason = "is a symlink" if _os.path.islink(path) else exc.strerror.lower()
+        raise StageError(f"cannot use {path!r}: {reason}") from None
+    finally:
+        _os.close(fd)
+    return child
+
+
+def check_ancestor(st, path):
+    """Refuse a directory of another user, or one others may write unless sticky."""
+    if st.st_uid not in (0, _os.getuid()):
+        raise StageError(f"{path!r} is owned by uid {st.st_uid}, not by you or root")
+    if st.st_mode & 0o022 and not st.st_mode & 0o1000:
+        raise StageError(
+            f"{path!r} is writable by others and not sticky "
+            f"(mode {st.st_mode & 0o7777:o}); use another directory"
+        )
+
+
+def own_dir(parent_fd, name, path, tighten=True):
+    """Create (0700) or open our directory *name* below *parent_fd*; return its fd."""
+    try:
+        _os.mkdir(name, 0o700, dir_fd=parent_fd)
     except FileExistsError:
         pass  # Probably an earlier job of the same user; checked below.
     try:
-        fd = _os.open(path, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW)
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
-        reason = "is a symlink" if _os.path.islink(path) else exc.strerror
-        raise StageError(f"{path!r} {reason}") from None
+        reason = "is a symlink" if exc.errno == _errno.ELOOP else exc.strerror.lower()
+        raise StageError(f"cannot use {path!r}: {reason}") from None
     try:
-        st = _os.fstat(fd)
-        check_owned(st, path)
-        if st.st_mode & 0o077:
-            _os.fchmod(fd, 0o700)  # Ours, but readable by others: tighten.
-    finally:
+        check_own(_os.fstat(fd), path, tighten)
+    except BaseException:
         _os.close(fd)
-    return path
+        raise
+    if tighten:
+        _os.fchmod(fd, 0o700)  # Ours, perhaps readable by others: tighten.
+    return fd
 
 
-def check_owned(st, path):
-    """Refuse a directory that is not ours alone."""
+def check_own(st, path, strict):
+    """Refuse a directory that is not ours, or (*strict*) that others may write."""
     if st.st_uid != _os.getuid():
         raise StageError(f"{path!r} is owned by uid {st.st_uid}, not {_os.getuid()}")
-    if st.st_mode & 0o022:
+    if strict and st.st_mode & 0o022:
         raise StageError(
             f"{path!r} is writable by others (mode {st.st_mode & 0o777:o}); "
             "remove it or chmod 700 it"
         )
 
 
-def room(path, need):
+def room(fd, path, need):
     """Refuse *path* unless its file system has *need* bytes free."""
-    st = _os.statvfs(path)
+    st = _os.fstatvfs(fd)
     free = st.f_bavail * st.f_frsize
     if free < need:
         raise StageError(f"{path!r} has {free} bytes free, {need} needed")
 
 
-def make_root(job, node, need):
+# -- per-job staging roots ------------------------------------------------------
+
+
+def make_root(job, node, need, skip=()):
     """Create this node's staging root in the first usable candidate.
 
-    Returns the root's path. Raises :class:`StageError` naming every
-    candidate and why it was refused when none can be used.
+    Candidates in *skip* (resolved paths) are passed over. Returns a
+    :class:`Root`. Raises :class:`StageError` naming every candidate and why
+    it was refused when none can be used.
     """
     refused = []
     for candidate in candidates():
         try:
-            if not _os.path.isdir(candidate):
-                raise StageError(f"{candidate!r} is not a directory")
-            room(candidate, need)
-            return job_dir(user_dir(candidate), job, node)
+            return root_in(candidate, job, node, need, skip)
         except (StageError, OSError) as exc:
-            refused.append(
-                str(exc)
-                if isinstance(exc, StageError)
-                else f"{candidate!r}: {exc.strerror}"
-            )
+            refused.append(refusal(candidate, exc))
     raise StageError("no usable staging root: " + "; ".join(refused or ["none given"]))
 
 
-def job_dir(parent, job, node):
-    """Create the fresh 0700 job directory and record who owns it."""
-    import json
-    import socket
-
-    path = _os.path.join(parent, f"job-{job}.n{node}")
-    _os.mkdir(path, 0o700)
-    owner = {"host": socket.gethostname(), "pid": _os.getpid(), "job": job}
-    with open(_os.path.join(path, OWNER_FILE), "x") as f:
-        json.dump(owner, f)
-    return path
+def refusal(candidate, exc):
+    """Say in a few words why *candidate* was refused."""
+    if isinstance(exc, StageError):
+        return str(exc)
+    return f"{candidate!r}: {exc.strerror}"
 
 
-def destinations(manifest):
-    """Return, per bundled root, its directory below the staging root.
-
-    Runner bundles keep root *i* in ``r<i>``; environment bundles say where
-    each root goes (``dest``), so that several roots merge into one prefix.
-    """
-    return [root.get("dest", f"r{i}") for i, root in enumerate(manifest["roots"])]
-
-
-def write_tree(root, buf, manifest, name):
-    """Verify and write every member of the bundle *buf* below *root*."""
-    view, dests = memoryview(buf), destinations(manifest)
-    for dest in dict.fromkeys(dests):
-        _os.makedirs(_os.path.join(root, dest), mode=0o700, exist_ok=True)
-    for member in manifest["members"]:
-        write_member(staged_path(root, dests, member), view, member, name)
-    for member in reversed(manifest["members"]):
-        if member["type"] == "dir":
-            path = staged_path(root, dests, member)
-            _os.utime(path, ns=(member["mtime_ns"], member["mtime_ns"]))
-
-
-def staged_path(root, dests, member):
-    """Return where *member* lands below the staging *root*."""
-    rel = _os.path.normpath(_os.path.join(dests[member["root"]], member["rel"]))
-    if rel.startswith(("..", "/")):
-        raise StageError(f"bundle member {member['rel']!r} escapes its root")
-    return _os.path.join(root, rel)
-
-
-def write_member(path, view, member, name):
-    """Write one file, directory or symlink, checking a file's checksum."""
-    _os.makedirs(_os.path.dirname(path), mode=0o755, exist_ok=True)
-    kind, mode = member["type"], member["mode"] & 0o777
-    if kind == "dir":
-        _os.makedirs(path, mode=mode | 0o700, exist_ok=True)
-    elif kind == "link":
-        _os.symlink(member["target"], path)
-    else:
-        data = view[member["offset"] : member["offset"] + member["size"]]
-        if _hashlib.sha256(data).hexdigest() != member["sha256"]:
-            raise StageError(
-                f"bundle {name!r} is corrupt: checksum mismatch in {member['rel']!r}"
-            )
-        write_file(path, data, mode | 0o400, member["mtime_ns"])
-
-
-def write_file(path, data, mode, mtime_ns):
-    """Create *path* (never following a symlink) with *data*, *mode*, mtime."""
-    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
-    fd = _os.open(path, flags, mode)
+def root_in(candidate, job, node, need, skip):
+    """Make the job's root below *candidate*; return its :class:`Root`."""
+    real, fd = open_safe(candidate)
     try:
-        done = 0
-        while done < len(data):
-            done += _os.write(fd, data[done:])
-        _os.utime(fd, ns=(mtime_ns, mtime_ns))
+        if real in skip:
+            raise StageError(f"{real!r} ran out of space")
+        room(fd, real, need)
+        user = f"mpistage-{_os.getuid()}"
+        user_fd = own_dir(fd, user, f"{real}/{user}")
+    finally:
+        _os.close(fd)
+    name = f"job-{job}.n{node}"
+    try:
+        _os.mkdir(name, 0o700, dir_fd=user_fd)
+        fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
+        root = Root(f"{real}/{user}/{name}", fd, user_fd)
+    except BaseException:
+        _os.close(user_fd)
+        raise
+    write_owner(root, job)
+    return root
+
+
+def write_owner(root, job, kind="job"):
+    """Record who made *root*, so that ``mpistage clean`` can tell a dead job's."""
+    lines = f"kind={kind}\nhost={_os.uname().nodename}\npid={_os.getpid()}\njob={job}\n"
+    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_NOFOLLOW | _os.O_CLOEXEC
+    fd = _os.open(OWNER_FILE, flags, 0o600, dir_fd=root.fd)
+    try:
+        _os.write(fd, lines.encode())
     finally:
         _os.close(fd)
 
 
-def remove_root(root):
-    """Remove a staging root and everything below it."""
-    import shutil
+def read_owner(fd):
+    """Return the owner record in the directory open as *fd*, or ``None``."""
+    try:
+        ofd = _os.open(OWNER_FILE, _os.O_RDONLY | _os.O_NOFOLLOW, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        text = _os.read(ofd, 4096).decode(errors="replace")
+    finally:
+        _os.close(ofd)
+    return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
 
-    if root and _os.path.isdir(root):
-        shutil.rmtree(root, ignore_errors=True)
+
+def target_dir(path):
+    """Open or create ``mpistage stage --to`` *path* under the safe-directory rule."""
+    path = _os.path.abspath(path)
+    parent, name = _os.path.split(path)
+    if not name:
+        raise StageError(f"{path!r} is not a directory one can stage into")
+    real_parent, parent_fd = open_safe(parent)
+    try:
+        fd = own_dir(parent_fd, name, path, tighten=False)
+        check_ancestor(_os.fstat(fd), path)
+    except BaseException:
+        _os.close(parent_fd)
+        raise
+    return Root(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+
+
+def job_tag():
+    """Return a name for this job, unique on the node: scheduler id, pid, time."""
+    import time
+
+    for name in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
+        if _os.environ.get(name):
+            prefix = _os.environ[name].split(".")[0]
+            break
+    else:
+        prefix = _os.uname().nodename.split(".")[0]
+    return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"
+
+
+# -- the one removal path -------------------------------------------------------
+
+
+def remove(root):
+    """Remove the staging directory *root* and everything below it."""
+    if root is None or root.parent_fd is None:
+        return
+    remove_entry(root.parent_fd, root.name)
+    root.close()
+
+
+def remove_path(path):
+    """Remove the staging directory at *path* (found again from its safe parent)."""
+    parent, name = _os.path.split(path)
+    real, fd = open_safe(parent)
+    try:
+        remove_entry(fd, name)
+    finally:
+        _os.close(fd)
+
+
+def empty(fd):
+    """Remove everything inside the directory open as *fd*."""
+    with _os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        remove_entry(fd, name)
+
+
+def remove_entry(parent_fd, name):
+    """Remove *name* below *parent_fd*, recursively, following no symlink.
+
+    Another process may be removing the same tree (two ranks of a failing
+    node): what is already gone is not an error.
+    """
+    try:
+        _os.unlink(name, dir_fd=parent_fd)
+        return
+    except FileNotFoundError:
+        return
+    except (IsADirectoryError, PermissionError):
+        pass  # A directory: empty it first.
+    try:
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+        try:
+            empty(fd)
+        finally:
+            _os.close(fd)
+        _os.rmdir(name, dir_fd=parent_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return

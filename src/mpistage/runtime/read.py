@@ -1,18 +1,24 @@
-"""Step 2 of the runner: rank 0 reads the bundle, once, sequentially.
+"""Step 2: rank 0 reads the bundle, once, sequentially, and checks it.
 
 No other rank opens the file: on a shared file system that single open and
-streaming read replaces one open, stat and read per rank per module.
+streaming read replaces one open, stat and read per rank per module. The
+check happens here, on the one process that read the bytes from the file
+system: the header, the manifest's digest and shape, the bundle's kind and
+Python, and every member's SHA-256. MPI then delivers the bytes intact, so
+the node leaders need not hash them again.
 """
 
 import os as _os
 
-from mpistage.errors import StageError
+from mpistage import StageError
+
+READ_SIZE = 64 << 20
 
 
 def read_bundle(path):
     """Return the whole bundle at *path* as a bytearray (rank 0 only)."""
     try:
-        fd = _os.open(path, _os.O_RDONLY | getattr(_os, "O_CLOEXEC", 0))
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
     except OSError as exc:
         raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
     try:
@@ -23,14 +29,65 @@ def read_bundle(path):
 
 def read_all(fd, size, path):
     """Read *size* bytes from *fd* into one buffer."""
-    buf = bytearray(size)
+    try:
+        buf = bytearray(size)
+    except MemoryError:
+        raise StageError(
+            f"bundle {path!r} ({size} bytes) does not fit in memory"
+        ) from None
     view, done = memoryview(buf), 0
     try:
         while done < size:
-            n = _os.readv(fd, [view[done : done + (64 << 20)]])
+            n = _os.readv(fd, [view[done : done + READ_SIZE]])
             if n == 0:
                 raise StageError(f"bundle {path!r} shrank while being read")
             done += n
     except OSError as exc:
         raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
     return buf
+
+
+def read_checked(path, kind="packages"):
+    """Read the bundle at *path*; return (bytes, manifest) once all checks pass."""
+    from mpistage.runtime.format import manifest_of, python_mismatch
+
+    buf = read_bundle(path)
+    manifest = manifest_of(buf, path)
+    check_kind(manifest, kind, path)
+    if kind == "packages":
+        mismatch = python_mismatch(manifest)
+        if mismatch:
+            raise StageError(f"bundle {path!r} is {mismatch}")
+    verify(buf, manifest, path)
+    return buf, manifest
+
+
+def check_kind(manifest, kind, path):
+    """Refuse an environment bundle for the runner, and the reverse."""
+    have = manifest.get("kind", "packages")
+    if have == kind:
+        return
+    if have == "env":
+        raise StageError(
+            f"{path!r} is an environment bundle: stage it with "
+            "`mpistage stage` and run DIR/bin/python"
+        )
+    raise StageError(
+        f"{path!r} is not an environment bundle: make one with "
+        "`mpistage pack --env -o env.mpistage`"
+    )
+
+
+def verify(buf, manifest, path):
+    """Check every file member's SHA-256 against the manifest."""
+    import hashlib
+
+    view = memoryview(buf)
+    for member in manifest["members"]:
+        if member["type"] != "file":
+            continue
+        data = view[member["offset"] : member["offset"] + member["size"]]
+        if hashlib.sha256(data).hexdigest() != member.get("sha256"):
+            raise StageError(
+                f"bundle {path!r} is corrupt: checksum mismatch in {member['rel']!r}"
+            )

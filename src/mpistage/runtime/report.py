@@ -1,4 +1,4 @@
-"""Last step of the runner: one summary of the job, on screen and as JSON.
+"""Last step: one summary of the job, on screen and as JSON.
 
 Every rank keeps its own step timings and import counts; rank 0 gathers
 them, takes the slowest rank for each step (the job waits for it), and
@@ -8,7 +8,18 @@ prints one screen (``--report``) or writes JSON (``MPISTAGE_REPORT=path``).
 import os as _os
 import sys as _sys
 
-STEPS = ("topology", "read", "broadcast", "stage", "validate", "activate", "run")
+STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run")
+
+
+def local_facts(session, seconds):
+    """Return this rank's timings and import counts."""
+    from mpistage.runtime.activate import classify
+
+    empty = {"served": [], "missed": [], "stdlib": []}
+    activation = session.activation if session else None
+    modules = classify(activation) if activation else empty
+    root = session.staged.path if session and session.staged else None
+    return {"seconds": seconds, "modules": modules, "stage_root": root}
 
 
 def summarize(job, ranks):
@@ -64,7 +75,14 @@ def emit(report, show):
         print(render(report), file=_sys.stderr, flush=True)
     path = _os.environ.get("MPISTAGE_REPORT")
     if path:
-        write_json(path, report)
+        try:
+            write_json(path, report)
+        except OSError as exc:
+            from mpistage import StageError
+
+            raise StageError(
+                f"cannot write the report MPISTAGE_REPORT={path!r}: {exc.strerror}"
+            ) from None
 
 
 def write_json(path, data):

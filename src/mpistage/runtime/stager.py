@@ -1,91 +1,185 @@
-"""``mpistage stage BUNDLE --to DIR [--print-env]``: see :mod:`mpistage.envstage`."""
+"""``mpistage stage BUNDLE --to DIR [--print-env]``: an environment, once per node.
 
+Run under the launcher with any number of ranks per node, for example
+``srun --ntasks-per-node=1 mpistage stage env.mpistage --to /dev/shm/env``.
+It is the distribution pipeline (:func:`mpistage.runtime.stage.stage`) with
+``DIR`` as the place: rank 0 reads the bundle once, the bytes go to one
+leader per node, and each leader extracts them into ``DIR`` (``{node}`` in
+``DIR`` becomes the node's index, for emulated nodes on one machine). Then
+``DIR/bin/python`` runs with everything node-local.
+
+``DIR`` follows the safe-directory rule of :mod:`mpistage.runtime.place`. A
+non-empty ``DIR`` is refused unless it is a stage of the same bundle: a
+complete one is reused as it is, an interrupted one is refused with the
+hint to clean it (``mpistage clean DIR``). Like the runner, the stager runs
+in every rank at start-up, so it parses its options by hand and imports
+nothing it does not need.
+"""
+
+import os as _os
 import sys as _sys
 
+from mpistage import StageError
 
-def parser():
-    """Return the argument parser of ``mpistage stage``."""
-    import argparse
+MARKER = ".mpistage-stage"
+USAGE = """\
+usage: mpistage stage BUNDLE --to DIR [--print-env]
 
-    p = argparse.ArgumentParser(
-        prog="mpistage stage",
-        description="Unpack an environment bundle (mpistage pack --env) into "
-        "node-local DIR, once per node; run under mpiexec or srun.",
-    )
-    p.add_argument("bundle", help="the environment bundle")
-    p.add_argument(
-        "--to",
-        required=True,
-        metavar="DIR",
-        help="node-local directory ({node} becomes the node index)",
-    )
-    p.add_argument(
-        "--print-env",
-        action="store_true",
-        help="print only the shell lines to use it, for eval",
-    )
-    return p
+Unpack an environment bundle (mpistage pack --env) into node-local DIR, once
+per node; run it under mpiexec, srun or flux run.
+
+  --to DIR      node-local directory ({node} becomes the node index)
+  --print-env   print only the shell lines that put it to use, for eval"""
 
 
-def read_env(path):
-    """Rank 0: read the bundle and check it is an environment bundle."""
-    from mpistage.bundle import manifest_of
-    from mpistage.errors import StageError
-    from mpistage.read import read_bundle
+def parse(argv):
+    """Return (bundle, DIR, print_env) from *argv*."""
+    args, bundle, folder, print_env = list(argv), None, None, False
+    while args:
+        arg = args.pop(0)
+        opt, eq, value = arg.partition("=")
+        if arg in ("-h", "--help"):
+            print(USAGE)
+            _sys.exit(0)
+        elif opt == "--to":
+            folder = value if eq else (args.pop(0) if args else None)
+        elif arg == "--print-env":
+            print_env = True
+        elif arg.startswith("-") or bundle is not None:
+            raise StageError(f"stage: unexpected argument {arg!r}\n{USAGE}")
+        else:
+            bundle = arg
+    if not bundle or not folder:
+        raise StageError(f"stage: give BUNDLE and --to DIR\n{USAGE}")
+    return bundle, folder, print_env
 
-    buf = read_bundle(path)
-    if manifest_of(buf, path).get("kind") != "env":
-        raise StageError(
-            f"{path!r} is not an environment bundle: make one with "
-            "`mpistage pack --env -o env.mpistage`"
+
+def node_dir(template, index):
+    """Return the directory for node *index* (``{node}`` replaced)."""
+    return _os.path.abspath(template.replace("{node}", str(index)))
+
+
+class TargetPlace:
+    """The stager's place: ``DIR`` itself, empty or a stage of this bundle."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def make(self, buf):
+        """Open ``DIR`` safely; mark it as being staged, or as reusable."""
+        from mpistage.runtime.place import room, target_dir
+
+        root = target_dir(self.folder)
+        digest = bytes(buf[32:64]).hex()
+        marker = read_marker(root.fd)
+        if marker.get("sha256") == digest and marker.get("state") == "complete":
+            root.reused = True
+            return root
+        if _os.listdir(root.fd):
+            root.close()
+            raise StageError(busy_message(self.folder, marker))
+        room(root.fd, self.folder, len(buf))
+        write_marker(root.fd, digest, "incomplete")
+        return root
+
+    def retry(self, root):
+        """``DIR`` is the user's choice: no other candidate is tried."""
+        return False
+
+    def done(self, root, buf):
+        """Mark the stage complete."""
+        write_marker(root.fd, bytes(buf[32:64]).hex(), "complete")
+
+    def discard(self, root):
+        """Empty ``DIR`` after a failed stage; the directory itself stays."""
+        from mpistage.runtime.place import empty
+
+        if not getattr(root, "reused", False):
+            empty(root.fd)
+        root.close()
+
+
+def busy_message(folder, marker):
+    """Say why a non-empty ``DIR`` is refused."""
+    if marker:
+        return (
+            f"{folder!r} holds an interrupted or different stage; remove it with "
+            f"`mpistage clean {folder}` and stage again"
         )
-    return buf
+    return (
+        f"{folder!r} is not empty and is not a stage of this bundle; choose an "
+        "empty or new directory (`mpistage clean DIR` removes an earlier stage)"
+    )
 
 
-def stage_all(world, args):
-    """Read, broadcast and unpack on every node; return rank 0's outcome."""
-    from mpistage.broadcast import broadcast
-    from mpistage.collective import attempt
-    from mpistage.envstage import node_dir, unpack
-    from mpistage.topology import discover
+def read_marker(fd):
+    """Return the stage marker of the directory open as *fd* (``{}`` if none)."""
+    try:
+        mfd = _os.open(MARKER, _os.O_RDONLY | _os.O_NOFOLLOW, dir_fd=fd)
+    except OSError:
+        return {}
+    try:
+        text = _os.read(mfd, 4096).decode(errors="replace")
+    finally:
+        _os.close(mfd)
+    return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+
+
+def write_marker(fd, digest, state):
+    """Write the stage marker atomically (a temporary file, then a rename)."""
+    tmp = f"{MARKER}.{_os.getpid()}"
+    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_NOFOLLOW | _os.O_CLOEXEC
+    mfd = _os.open(tmp, flags, 0o600, dir_fd=fd)
+    try:
+        _os.write(mfd, f"sha256={digest}\nstate={state}\n".encode())
+    finally:
+        _os.close(mfd)
+    _os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
+
+
+def env_lines(folder, manifest):
+    """Return the shell lines that put the staged environment to use."""
+    folder = _os.path.abspath(folder)
+    lines = [f'export PATH="{folder}/bin:$PATH"']
+    if manifest.get("env", {}).get("libraries"):
+        keep = "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        lines.append(f'export LD_LIBRARY_PATH="{folder}/lib{keep}"')
+    lines += ["export PYTHONNOUSERSITE=1", "unset PYTHONHOME PYTHONPATH"]
+    return lines
+
+
+def stage_env(world, bundle, template):
+    """Stage the environment *bundle* on every node; return (DIR, manifest, reused)."""
+    from mpistage.runtime import stage
+    from mpistage.runtime.collective import attempt
+    from mpistage.runtime.topology import discover
 
     topo = attempt(world, discover, world)
-    buf = attempt(world, lambda: read_env(args.bundle) if world.rank == 0 else None)
-    buf = attempt(
-        world, lambda: broadcast(topo.leaders, buf) if topo.is_leader else None
-    )
-    folder = node_dir(args.to, topo.index)
-    outcome = attempt(
-        world, lambda: unpack(folder, buf, args.bundle) if topo.is_leader else None
-    )
-    wrote = world.gather(outcome[1] if outcome else None, root=0)
-    return folder, (outcome[0] if outcome else None), wrote
+    folder = node_dir(template, topo.index)
+    staged = stage.stage(topo, bundle, TargetPlace(folder), kind="env")
+    reused = getattr(staged.root, "reused", False) if staged.root else None
+    reused = world.gather(reused, root=0)
+    if staged.root is not None:
+        staged.root.close()
+    return folder, staged.manifest, reused
 
 
-def cli(argv):
+def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
-    from mpi4py import MPI
-
-    from mpistage.envstage import env_lines
-    from mpistage.errors import StageError
-
-    args = parser().parse_args(argv)
-    world = MPI.COMM_WORLD
     try:
-        folder, manifest, wrote = stage_all(world, args)
+        bundle, template, print_env = parse(argv)
+        folder, manifest, reused = stage_env(world, bundle, template)
     except StageError as exc:
         if world.rank == 0:
             print(f"mpistage: error: {exc}", file=_sys.stderr, flush=True)
         return 1
     if world.rank == 0:
-        lines = env_lines(folder, manifest)
-        if not args.print_env:
-            staged = sum(1 for w in wrote if w is True)
-            reused = sum(1 for w in wrote if w is False)
+        if not print_env:
+            done = [r for r in reused if r is not None]
             print(
-                f"staged {args.bundle} into {args.to} on {staged + reused} "
-                f"node(s) ({reused} already staged); to use it:",
+                f"staged {bundle} into {template} on {len(done)} node(s) "
+                f"({sum(done)} already staged); to use it:",
                 file=_sys.stderr,
             )
-        print("\n".join(lines), flush=True)
+        print("\n".join(env_lines(folder, manifest)), flush=True)
     return 0

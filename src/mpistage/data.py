@@ -1,0 +1,715 @@
+"""Shared data files: read once per job, one copy per node, mapped by every rank.
+
+::
+
+    from mpistage import data
+    with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
+        digest = hashlib.sha256(buf.view).hexdigest()
+    weights = data.load("/scratch/weights.npy", comm=comm).array  # read-only
+
+Both calls are collective over *comm* and run the same steps on every rank
+(see docs/data.md):
+
+- topology: *comm* → node communicators (real ones, or the emulated ones of
+  ``MPISTAGE_EMULATE_NODES``) → the communicator of node leaders;
+- open: *readers* ranks open the file, spread over the nodes; no other rank
+  opens or stats it. The first reader also finds where the array's bytes
+  are (.npy header, .npz member);
+- allocate: each node leader checks that its node has room (MemAvailable),
+  then allocates the node's copy as an MPI shared-memory window, which the
+  node's other ranks map;
+- read: each reader reads one contiguous part into its node's copy;
+- broadcast: the leaders pass the parts on to each other as raw chunks of
+  :data:`mpistage.runtime.broadcast.CHUNK_SIZE` bytes, never pickled;
+- view: every rank gets a read-only view of its node's copy.
+
+Each step ends with an agreement of all ranks, so a bad input raises the same
+one-line :class:`~mpistage.StageError` on every rank instead of hanging the
+job. The node's memory is freed once no rank of the node holds a view of it
+any more: at :meth:`SharedBuffer.close`, at a later call of this module on
+the same ranks, or at interpreter exit, always before MPI is finalized.
+"""
+
+import atexit as _atexit
+import os as _os
+import stat as _stat
+import sys as _sys
+
+from mpistage import StageError
+
+__all__ = ["SharedArray", "SharedBuffer", "load", "read"]
+
+IO_METHODS = ("posix", "mpiio")
+READ_SIZE = 64 << 20
+MPIIO_HINTS = {
+    "romio_cb_read": "enable",
+    "romio_no_indep_rw": "true",
+    "romio_ds_read": "disable",
+    "cb_config_list": "*:*",
+    "cb_buffer_size": str(16 << 20),
+}
+
+_SEGMENTS = []  # this rank's live node copies, in the order they were made
+
+
+# -- the public API -------------------------------------------------------------
+
+
+def read(path, comm=None, *, readers=1, io="posix"):
+    """Return the bytes of the file *path* as a :class:`SharedBuffer` (collective).
+
+    *readers* ranks open and read the file (one by default), through plain
+    reads (``io="posix"``) or MPI-IO collective reads (``io="mpiio"``).
+    """
+    segment, view, _ = _share(comm, path, readers, io, _whole)
+    return SharedBuffer(segment, view, path)
+
+
+def load(
+    path,
+    comm=None,
+    *,
+    member=None,
+    dtype=None,
+    shape=None,
+    order="C",
+    offset=0,
+    readers=1,
+    io="posix",
+):
+    """Return the array stored in *path* as a :class:`SharedArray` (collective).
+
+    A ``.npy`` file; a stored member of a ``.npz`` file (*member*, with or
+    without ``.npy``); or, given *dtype*, a raw file of *shape* (default:
+    one dimension) in *order* from byte *offset* on.
+    """
+    locate = _locator(member, dtype, shape, order, offset)
+    segment, view, meta = _share(comm, path, readers, io, locate)
+    return SharedArray(segment, view, path, meta)
+
+
+class SharedBuffer:
+    """The bytes of one file: this node's read-only copy, in MPI shared memory.
+
+    :attr:`view` is a read-only memoryview (format ``'B'``) of memory that
+    every rank of the node maps. :meth:`close` is collective; ``with``
+    closes at the end of the block. Views taken from :attr:`view` stay
+    valid after that: the node's memory is freed only once no rank of the
+    node holds any view of it.
+    """
+
+    def __init__(self, segment, view, path):
+        self._segment, self._view = segment, view
+        self.path, self.nbytes = _os.fspath(path), len(view)
+        self.closed = False
+
+    @property
+    def view(self):
+        """The read-only memoryview of this node's copy."""
+        self._check_open()
+        return self._view
+
+    def __len__(self):
+        return self.nbytes
+
+    def __buffer__(self, flags):
+        """Export :attr:`view` (Python 3.12+: ``memoryview(buf)``, ``bytes(buf)``)."""
+        return self.view.__buffer__(flags)
+
+    def close(self):
+        """Let go of the node's copy; collective over the ranks of the node.
+
+        The memory is freed here if no rank of the node holds a view of it
+        any more, else as soon as none does. Calling it again does nothing.
+        """
+        if self.closed:
+            return
+        segment = self._forget()
+        if segment is not None:
+            _sweep(segment.node)
+
+    def __enter__(self):
+        self._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # An exception may be this rank's alone: a collective call now could
+        # wait forever for the other ranks, so only let go locally.
+        if exc_type is None:
+            self.close()
+        else:
+            self._forget()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        name = type(self).__name__
+        return f"<{name} {self.path!r} {self.nbytes} bytes, {state}>"
+
+    def _forget(self):
+        """Drop this object's references to the copy; return its segment."""
+        segment, self._segment, self._view = self._segment, None, None
+        self.closed = True
+        return segment
+
+    def _check_open(self):
+        if self.closed:
+            raise ValueError(f"the shared copy of {self.path!r} is closed")
+
+
+class SharedArray(SharedBuffer):
+    """An array stored in one file: this node's read-only copy, as numpy sees it.
+
+    :attr:`array` is a read-only :class:`numpy.ndarray` on the node's shared
+    memory; ``numpy.asarray(shared)`` returns it too. :attr:`view` holds its
+    raw bytes. Lifetime and :meth:`close` are those of :class:`SharedBuffer`.
+    """
+
+    def __init__(self, segment, view, path, meta):
+        import numpy
+
+        super().__init__(segment, view, path)
+        dtype, shape, fortran = meta
+        # frombuffer keeps the read-only memoryview as the base: numpy then
+        # refuses ``flags.writeable = True``, which it would allow with a base
+        # that is writable underneath (as ``numpy.ndarray(buffer=...)`` sets).
+        flat = numpy.frombuffer(view, dtype)
+        self._array = flat.reshape(shape, order="F" if fortran else "C")
+        self._array.flags.writeable = False
+
+    @property
+    def array(self):
+        """The read-only ndarray on this node's copy."""
+        self._check_open()
+        return self._array
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.array
+        if dtype is None or array.dtype == dtype:
+            return array.copy() if copy else array
+        if copy is False:
+            raise ValueError(f"dtype {dtype!r} needs a copy of the shared array")
+        return array.astype(dtype)
+
+    def _forget(self):
+        self._array = None
+        return super()._forget()
+
+
+# -- the steps, run by every rank -----------------------------------------------
+
+
+def _share(comm, path, readers, io, locate):
+    """Run the collective steps; return (segment, read-only view, array meta)."""
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    from mpistage import load_runtime
+
+    load_runtime(comm)
+    from mpistage.runtime.collective import attempt
+    from mpistage.runtime.topology import discover
+
+    path = attempt(comm, _check_args, path, readers, io, comm.size)
+    job = _Job(comm, attempt(comm, discover, comm), path, readers, io)
+    try:
+        _sweep(job.topo.node)
+        return _run(job, locate)
+    finally:
+        job.close()
+
+
+def _run(job, locate):
+    """Open, check, allocate, fill; return (segment, view, meta)."""
+    from mpistage.runtime.collective import attempt
+
+    attempt(job.comm, _open, job, locate)
+    job.layout = job.comm.bcast(job.layout, root=0)
+    attempt(job.comm, _prepare, job)
+    if job.io == "mpiio":
+        job.split_readers()
+        attempt(job.comm, _open_mpiio, job)
+    if job.layout.length == 0:
+        return None, memoryview(b"").toreadonly(), job.layout.meta
+    job.segment = attempt(job.comm, _Segment, job.topo.node, job.layout.length)
+    try:
+        _fill(job, job.segment)
+    except StageError:
+        job.segment.free()  # every rank got this error from the same agreement
+        raise
+    return job.segment, job.segment.readonly(), job.layout.meta
+
+
+def _fill(job, segment):
+    """Readers fill their parts, leaders exchange them; then all ranks see all."""
+    from mpistage.runtime.collective import attempt
+
+    with segment.memory() as memory:
+        attempt(job.comm, _read_part, job, memory)
+        segment.sync()
+        _spread(job, memory)
+        segment.sync()
+
+
+def _check_args(path, readers, io, ranks):
+    """Check the arguments (every rank, the same way); return the path as str."""
+    try:
+        path = _os.fspath(path)
+    except TypeError:
+        raise StageError(f"path {path!r} is no str or os.PathLike") from None
+    if isinstance(readers, bool) or not isinstance(readers, int):
+        raise StageError(f"readers={readers!r} must be a whole number")
+    if not 1 <= readers <= ranks:
+        raise StageError(
+            f"readers={readers!r} must be from 1 to the number of ranks ({ranks})"
+        )
+    if io not in IO_METHODS:
+        raise StageError(f"io={io!r}: use 'posix' or 'mpiio'")
+    return path
+
+
+class _Job:
+    """One collective read on one rank: communicators, role, file, layout."""
+
+    def __init__(self, comm, topo, path, readers, io):
+        self.comm, self.topo, self.path, self.io = comm, topo, path, io
+        self.slots = _reader_slots(topo, readers)
+        here = (topo.index, topo.node.rank)
+        self.slot = self.slots.index(here) if here in self.slots else None
+        self.fd = self.size = self.layout = self.segment = None
+        self.rcomm = self.file = None
+
+    def part(self, slot=None):
+        """Return the file offsets [lo, hi) that reader *slot* reads."""
+        slot = self.slot if slot is None else slot
+        start, length, k = self.layout.start, self.layout.length, len(self.slots)
+        return start + slot * length // k, start + (slot + 1) * length // k
+
+    def split_readers(self):
+        """Make the communicator of the readers, for MPI-IO (collective)."""
+        from mpi4py import MPI
+
+        color = MPI.UNDEFINED if self.slot is None else 0
+        self.rcomm = self.comm.Split(color, self.slot or 0)
+
+    def close(self):
+        """Close the file and free the communicators this job made."""
+        if self.fd is not None:
+            _os.close(self.fd)
+        if self.file is not None:
+            self.file.Close()
+        if self.segment is None:
+            _free_comm(self.topo.node)  # else the segment owns it
+        _free_comm(self.topo.leaders)
+        _free_comm(self.rcomm)
+
+
+def _free_comm(comm):
+    """Free *comm* unless it is ``None`` or the null communicator."""
+    from mpi4py import MPI
+
+    if comm is not None and comm != MPI.COMM_NULL:
+        comm.Free()
+
+
+def _reader_slots(topo, readers):
+    """Return the (node index, node rank) of each reader: nodes first, then ranks.
+
+    Reader 0 is rank 0 of *comm*, the leader of node 0; with no more readers
+    than nodes every reader is a node leader.
+    """
+    import itertools
+
+    sizes = topo.leaders.allgather(topo.node.size) if topo.is_leader else None
+    sizes = topo.node.bcast(sizes, root=0)
+    slots = (
+        (node, rank)
+        for rank in range(max(sizes))
+        for node, size in enumerate(sizes)
+        if rank < size
+    )
+    return list(itertools.islice(slots, readers))
+
+
+def _open(job, locate):
+    """Readers open the file; the first one also finds the data's layout."""
+    if job.slot is None or (job.io == "mpiio" and job.slot != 0):
+        return
+    job.fd, job.size = _open_file(job.path)
+    if job.slot == 0:
+        job.layout = locate(job.path, job.fd, job.size)
+
+
+def _open_file(path):
+    """Open the regular file *path* for reading; return (fd, size)."""
+    try:
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    except OSError as exc:
+        raise StageError(f"cannot read data file {path!r}: {exc.strerror}") from None
+    st = _os.fstat(fd)
+    if not _stat.S_ISREG(st.st_mode):
+        _os.close(fd)
+        raise StageError(f"cannot read data file {path!r}: not a regular file")
+    return fd, st.st_size
+
+
+def _prepare(job):
+    """Other readers check the size they see; leaders check their node's room."""
+    if job.fd is not None and job.slot != 0:
+        _check_size(job, job.size)
+    if job.topo.is_leader:
+        _check_room(job.path, job.layout.length, job.topo.index)
+
+
+def _check_size(job, size):
+    """Raise if the file no longer has the size the first reader saw."""
+    if size != job.layout.size:
+        _changed(job, size)
+
+
+def _changed(job, size):
+    """Raise: the file changed size (now *size* bytes) while being read."""
+    raise StageError(
+        f"data file {job.path!r} changed size while being read: "
+        f"{job.layout.size} bytes, then {size}"
+    )
+
+
+def _check_room(path, need, node):
+    """Refuse a copy larger than this node's free memory, before allocating it."""
+    room, what = _node_room()
+    if room is not None and need > room:
+        raise StageError(
+            f"data file {path!r} needs {_size(need)}, more than the {_size(room)} "
+            f"of {what} on node {node}"
+        )
+
+
+def _node_room():
+    """Return (bytes, what) a node copy may take: MemAvailable, or /dev/shm's room.
+
+    MPICH backs shared windows with files in /dev/shm, a tmpfs that may be
+    smaller than the memory; touching a page past its limit kills with SIGBUS.
+    """
+    rooms = []
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(
+                line.split()[1] for line in f if line.startswith("MemAvailable:")
+            )
+        rooms.append((int(kib) * 1024, "free memory (MemAvailable)"))
+    except (OSError, StopIteration, ValueError):
+        pass  # no /proc (not Linux): nothing to check against
+    try:
+        st = _os.statvfs("/dev/shm")
+        rooms.append((st.f_bavail * st.f_frsize, "free space in /dev/shm"))
+    except OSError:
+        pass
+    return min(rooms, default=(None, None))
+
+
+def _size(n):
+    """Format a byte count for a message."""
+    return f"{n} bytes ({n / 2**30:.1f} GiB)"
+
+
+def _open_mpiio(job):
+    """Readers open the file with MPI-IO and the aggregator hints (collective)."""
+    if job.slot is None:
+        return
+    from mpi4py import MPI
+
+    info = MPI.Info.Create()
+    try:
+        for key, value in {**MPIIO_HINTS, "cb_nodes": str(job.rcomm.size)}.items():
+            info.Set(key, value)
+        job.file = MPI.File.Open(job.rcomm, job.path, MPI.MODE_RDONLY, info)
+    except MPI.Exception as exc:
+        reason = exc.Get_error_string().splitlines()[0]
+        raise StageError(f"cannot read data file {job.path!r}: {reason}") from None
+    finally:
+        info.Free()
+    _check_size(job, job.file.Get_size())
+
+
+def _read_part(job, memory):
+    """Read this reader's part into its node's copy; check the size after."""
+    if job.slot is None:
+        return
+    lo, hi = job.part()
+    if job.io == "mpiio":
+        _read_mpiio(job, memory, lo, hi)
+        _check_size(job, job.file.Get_size())
+    else:
+        _read_posix(job, memory, lo, hi)
+        _check_size(job, _os.fstat(job.fd).st_size)
+
+
+def _read_posix(job, memory, lo, hi):
+    """Read [lo, hi) with plain reads of at most :data:`READ_SIZE` bytes."""
+    base, step, done = job.layout.start, max(1, int(READ_SIZE)), lo
+    while done < hi:
+        end = min(hi, done + step)
+        n = _os.preadv(job.fd, [memory[done - base : end - base]], done)
+        if n == 0:
+            _changed(job, _os.fstat(job.fd).st_size)
+        done += n
+
+
+def _read_mpiio(job, memory, lo, hi):
+    """Read [lo, hi) with ``Read_at_all``; every reader makes as many calls."""
+    from mpi4py import MPI
+
+    base, step = job.layout.start, max(1, int(READ_SIZE))
+    widest = max(b - a for a, b in map(job.part, range(len(job.slots))))
+    short = False
+    for offset in range(0, widest, step):
+        a, b = min(hi, lo + offset), min(hi, lo + offset + step)
+        status = MPI.Status()
+        job.file.Read_at_all(a, [memory[a - base : b - base], MPI.BYTE], status)
+        short |= status.Get_count(MPI.BYTE) != b - a
+    if short:  # only now: raising between collective calls would hang the rest
+        _changed(job, job.file.Get_size())
+
+
+def _spread(job, memory):
+    """Leaders: send each part from its reader's node to every other node."""
+    from mpistage.runtime.broadcast import chunks
+
+    if not job.topo.is_leader or job.topo.count == 1:
+        return
+    base = job.layout.start
+    for slot, (node, _) in enumerate(job.slots):
+        lo, hi = job.part(slot)
+        chunks(job.topo.leaders, memory[lo - base : hi - base], root=node)
+
+
+# -- where the bytes are: whole file, .npy, .npz member, raw --------------------
+
+
+class _Layout:
+    """Where the data is in the file, and what array it makes (if any)."""
+
+    def __init__(self, start, length, size, meta=None):
+        self.start, self.length, self.size, self.meta = start, length, size, meta
+
+
+def _whole(path, fd, size):
+    """The whole file, as bytes."""
+    return _Layout(0, size, size)
+
+
+def _locator(member, dtype, shape, order, offset):
+    """Return the function that finds the array in the file (on the first reader)."""
+
+    def locate(path, fd, size):
+        if dtype is not None:
+            return _raw(path, size, dtype, shape, order, offset)
+        if shape is not None:
+            raise StageError("shape= needs dtype= (a raw file)")
+        if member is not None or path.endswith(".npz"):
+            return _npz(path, fd, size, member)
+        return _npy(path, fd, 0, size, size)
+
+    return locate
+
+
+def _raw(path, size, dtype, shape, order, offset):
+    """A raw file of *dtype* items from byte *offset* on."""
+    import math
+
+    import numpy
+
+    try:
+        dtype = numpy.dtype(dtype)
+    except TypeError as exc:
+        raise StageError(f"dtype={dtype!r}: {_one_line(exc)}") from None
+    if order not in ("C", "F"):
+        raise StageError(f"order={order!r}: use 'C' or 'F'")
+    if not 0 <= offset <= size:
+        raise StageError(f"offset={offset!r} is outside {path!r} ({size} bytes)")
+    have = size - offset
+    if shape is None:
+        shape = (have // max(1, dtype.itemsize),)
+    shape = (shape,) if isinstance(shape, int) else tuple(map(int, shape))
+    need = math.prod(shape) * dtype.itemsize
+    if need != have:
+        raise StageError(
+            f"raw file {path!r} has {have} bytes after offset {offset}; "
+            f"shape {shape} of {dtype} needs {need}"
+        )
+    return _Layout(offset, need, size, (dtype, shape, order == "F"))
+
+
+def _npy(path, fd, base, end, size):
+    """The .npy stored in bytes [base, end) of the file."""
+    import math
+
+    from numpy.lib import format as fmt
+
+    with open(fd, "rb", closefd=False) as f:
+        f.seek(base)
+        try:
+            version = fmt.read_magic(f)
+            shape, fortran, dtype = _header_reader(fmt, version)(f)
+        except ValueError as exc:
+            raise StageError(f"{path!r} is no .npy file: {_one_line(exc)}") from None
+        start = f.tell()
+    if dtype.hasobject:
+        raise StageError(
+            f"{path!r} holds Python objects (dtype {dtype}), which only "
+            "numpy.load(allow_pickle=True) reads"
+        )
+    length = math.prod(shape) * dtype.itemsize
+    if start + length > end:
+        raise StageError(
+            f"{path!r} is truncated: its array needs {length} bytes after the "
+            f"header, {max(0, end - start)} are there"
+        )
+    return _Layout(start, length, size, (dtype, shape, fortran))
+
+
+def _header_reader(fmt, version):
+    """Return the numpy function that reads a header of format *version*."""
+    public = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}
+    if version in public:
+        return public[version]
+    return lambda f: fmt._read_array_header(f, version)
+
+
+def _npz(path, fd, size, member):
+    """The .npy of a stored (uncompressed) member of a .npz file."""
+    import struct
+    import zipfile
+
+    with open(fd, "rb", closefd=False) as f:
+        try:
+            with zipfile.ZipFile(f) as archive:
+                info = _member(path, archive, member)
+        except zipfile.BadZipFile as exc:
+            raise StageError(f"{path!r} is no .npz file: {exc}") from None
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise StageError(
+            f"member {member!r} of {path!r} is compressed: mpistage.data reads "
+            "stored members only (numpy.savez, not numpy.savez_compressed)"
+        )
+    local = _os.pread(fd, 30, info.header_offset)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise StageError(f"{path!r} is no .npz file: bad header of {member!r}")
+    names, extra = struct.unpack("<HH", local[26:30])
+    base = info.header_offset + 30 + names + extra
+    label = f"{path}[{member}]"
+    return _npy(label, fd, base, base + info.file_size, size)
+
+
+def _member(path, archive, member):
+    """Return the ZipInfo of *member* (with or without ``.npy``)."""
+    names = [n.removesuffix(".npy") for n in archive.namelist()]
+    if member is None:
+        raise StageError(f"{path!r} holds {names!r}: choose one with member=")
+    for name in (member, f"{member}.npy"):
+        try:
+            return archive.getinfo(name)
+        except KeyError:
+            pass
+    raise StageError(f"{path!r} has no member {member!r}; it holds {names!r}")
+
+
+def _one_line(exc):
+    """Return the message of *exc* on one line."""
+    return " ".join(str(exc).split())
+
+
+# -- the node copies: MPI shared-memory windows ---------------------------------
+
+
+class _Segment:
+    """One node's copy: an MPI shared-memory window, allocated by the leader.
+
+    The leader allocates all the bytes, the other ranks none; every rank
+    maps the leader's memory (``Shared_query(0)``). The window owns the node
+    communicator: both are freed together, collectively on the node.
+    """
+
+    def __init__(self, node, size):
+        from mpi4py import MPI
+
+        self.node, self.alive = node, None
+        self.win = MPI.Win.Allocate_shared(size if node.rank == 0 else 0, 1, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # for Sync: load/store access only
+        _SEGMENTS.append(self)
+
+    def memory(self):
+        """Return a writable memoryview of the node's copy (for filling it)."""
+        return memoryview(self.win.Shared_query(0)[0])
+
+    def readonly(self):
+        """Return a read-only view that keeps this copy in use while it lives.
+
+        The view exports a ctypes block at the window's address; a weak
+        reference to the block tells :func:`_sweep` when no view is left.
+        """
+        import ctypes
+        import weakref
+
+        buf, _ = self.win.Shared_query(0)
+        block = type("SharedBlock", (ctypes.c_ubyte * len(buf),), {})
+        block = block.from_address(buf.address)
+        self.alive = weakref.ref(block)
+        return memoryview(block).cast("B").toreadonly()
+
+    def in_use(self):
+        """Whether some view of this copy still lives on this rank."""
+        return self.alive is not None and self.alive() is not None
+
+    def sync(self):
+        """Make the node's writes visible to all its ranks (collective, sleeping)."""
+        from mpistage.runtime.collective import barrier
+
+        self.win.Sync()
+        barrier(self.node)
+        self.win.Sync()
+
+    def free(self):
+        """Free the window and the node communicator (collective on the node)."""
+        _SEGMENTS.remove(self)
+        self.win.Unlock_all()
+        self.win.Free()
+        self.node.Free()
+
+
+def _sweep(node):
+    """Free the copies that no rank of *node* uses any more (collective on it).
+
+    Only copies made on a communicator congruent to *node* are considered:
+    exactly those ranks are here, and each holds the same list of them.
+    """
+    from array import array
+
+    from mpi4py import MPI
+
+    from mpistage.runtime.collective import wait
+
+    same = (MPI.IDENT, MPI.CONGRUENT)
+    mine = [s for s in _SEGMENTS if s.node.Compare(node) in same]
+    if not mine:
+        return
+    unused = array("i", [not s.in_use() for s in mine])
+    wait(node.Iallreduce(MPI.IN_PLACE, [unused, MPI.INT], op=MPI.MIN))
+    for segment, free in zip(mine, unused, strict=True):
+        if free:
+            segment.free()
+
+
+@_atexit.register
+def _free_all():
+    """At exit, free every copy left, in the order they were made (collective).
+
+    It runs before mpi4py finalizes MPI (mpi4py does that after the atexit
+    handlers), and only if MPI still runs.
+    """
+    mpi = _sys.modules.get("mpi4py.MPI")
+    if not _SEGMENTS or mpi is None or mpi.Is_finalized():
+        return
+    for segment in list(_SEGMENTS):
+        segment.free()

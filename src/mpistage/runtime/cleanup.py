@@ -1,0 +1,107 @@
+"""Every exit path removes the node's copy: the leader's guards.
+
+A node's copy must not outlive its job, however the job ends. Each leader
+guards its root three ways:
+
+- the normal path (success, a nonzero exit, an exception) removes it in
+  :func:`release`, which needs no MPI, so it also works after the program
+  called ``MPI.Finalize()`` itself;
+- SIGTERM and SIGHUP, which a batch system sends at the time limit and
+  ``mpiexec`` forwards, remove it in a signal handler and then end the
+  process with the same signal (SIGINT raises ``KeyboardInterrupt``, which
+  takes the normal path);
+- a watchdog: a ``/bin/sh`` spawned in its own session waits on a pipe
+  that only the leader holds, and removes the root when the pipe closes.
+  The leader closing it is the normal path; the kernel closing it is the
+  leader being killed (``MPI_Abort`` kills the other ranks with SIGKILL,
+  as does the batch system after its grace time).
+
+Roots that survive even this (a node that crashed) are removed by
+``mpistage clean``.
+"""
+
+import os as _os
+import signal as _signal
+
+WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
+SIGNALS = ("SIGTERM", "SIGHUP")
+_guarded = {}
+
+
+class Guard:
+    """The watchdog of one root: its pid and the pipe that keeps it waiting."""
+
+    def __init__(self, root):
+        self.root, self.pid, self.pipe = root, None, None
+        try:
+            self.pid, self.pipe = spawn_watchdog(root.path)
+        except OSError:
+            pass  # No /bin/sh: the signal handlers and `mpistage clean` remain.
+
+
+def spawn_watchdog(path):
+    """Start the watchdog of *path*; return (its pid, the pipe's write end)."""
+    read_end, write_end = _os.pipe()
+    try:
+        pid = _os.posix_spawn(
+            "/bin/sh",
+            ["sh", "-c", WATCHDOG, "mpistage-watchdog", path],
+            {"PATH": "/usr/bin:/bin"},
+            file_actions=[(_os.POSIX_SPAWN_DUP2, read_end, 0)],
+            setsid=True,
+        )
+    except BaseException:
+        _os.close(write_end)
+        raise
+    finally:
+        _os.close(read_end)
+    return pid, write_end
+
+
+def guard(root):
+    """Protect the staging *root* on every exit path (leaders)."""
+    _guarded[root.path] = Guard(root)
+    for name in SIGNALS:
+        sig = getattr(_signal, name)
+        if _signal.getsignal(sig) in (_signal.SIG_DFL, None):
+            _signal.signal(sig, on_signal)
+
+
+def release(root):
+    """Remove *root* and retire its watchdog (the normal path, no MPI needed)."""
+    from mpistage.runtime.place import remove
+
+    if root is None:
+        return
+    remove(root)
+    entry = _guarded.pop(root.path, None)
+    if entry is not None and entry.pipe is not None:
+        _os.close(entry.pipe)
+        reap(entry.pid)
+
+
+def reap(pid):
+    """Collect the watchdog's exit status if it ended within a moment."""
+    import time
+
+    for _ in range(50):
+        try:
+            done, _status = _os.waitpid(pid, _os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        time.sleep(0.002)
+
+
+def release_all():
+    """Remove every guarded root (a signal, or the last cleanup at exit)."""
+    for entry in list(_guarded.values()):
+        release(entry.root)
+
+
+def on_signal(signum, frame):
+    """Remove the copies, then end the process by the same signal."""
+    release_all()
+    _signal.signal(signum, _signal.SIG_DFL)
+    _os.kill(_os.getpid(), signum)

@@ -1,0 +1,134 @@
+"""Step 4: each node leader writes the bundle's members below its root.
+
+This is the one extraction function, used by the runner, by
+:func:`mpistage.staged` and by ``mpistage stage``. A bundle is untrusted
+input, so nothing it says may create, write or touch anything outside the
+root: every directory is opened relative to its parent's descriptor with
+``O_NOFOLLOW``, files are created with ``O_EXCL | O_NOFOLLOW``, and times
+are set on descriptors or without following links. A symlink member is
+created as it is, but no later member can be written through it, and a
+member that tries is an error. Member paths and root destinations were
+checked by :func:`mpistage.runtime.format.check` (relative, no ``..``).
+"""
+
+import errno as _errno
+import os as _os
+
+from mpistage import StageError
+
+FILE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
+MAX_OPEN = 256
+
+
+class NoSpace(StageError):
+    """The staging root's file system filled up while writing."""
+
+
+class Dirs:
+    """Directories below a root, opened once each relative to their parent."""
+
+    def __init__(self, root_fd):
+        self.root_fd, self.fds = root_fd, {}
+
+    def fd(self, rel):
+        """Return a descriptor of the directory *rel* (``""``: the root), made 0700."""
+        if not rel:
+            return self.root_fd
+        if rel not in self.fds:
+            if len(self.fds) >= MAX_OPEN:
+                self.close()
+            parent, _, name = rel.rpartition("/")
+            self.fds[rel] = self.open(self.fd(parent), name, rel)
+        return self.fds[rel]
+
+    def open(self, parent_fd, name, rel):
+        """Create (if needed) and open one directory, refusing a symlink."""
+        from mpistage.runtime.place import DIR_FLAGS
+
+        try:
+            _os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass  # Made for an earlier member below it; opened as usual.
+        try:
+            return _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in (_errno.ELOOP, _errno.ENOTDIR):
+                raise StageError(f"bundle member {rel!r} is not a directory") from None
+            raise
+
+    def close(self):
+        """Close every descriptor but the root's."""
+        for fd in self.fds.values():
+            _os.close(fd)
+        self.fds = {}
+
+
+def extract(root_fd, buf, manifest, name):
+    """Write every member of the bundle *buf* below the directory *root_fd*."""
+    from mpistage.runtime.roots import destinations
+
+    view, dests, dirs = memoryview(buf), destinations(manifest), Dirs(root_fd)
+    try:
+        for member in manifest["members"]:
+            rel = join(dests[member["root"]], member["rel"])
+            parent, _, leaf = rel.rpartition("/")
+            write_member(dirs.fd(parent), leaf, rel, view, member, name)
+        for member in reversed(manifest["members"]):
+            if member["type"] == "dir":
+                rel = join(dests[member["root"]], member["rel"])
+                parent, _, leaf = rel.rpartition("/")
+                stamp = (member["mtime_ns"], member["mtime_ns"])
+                _os.utime(leaf, ns=stamp, dir_fd=dirs.fd(parent), follow_symlinks=False)
+    except OSError as exc:
+        raise os_error(exc, name) from None
+    finally:
+        dirs.close()
+
+
+def join(dest, rel):
+    """Return *rel* below the root's destination *dest*."""
+    return f"{dest}/{rel}" if dest else rel
+
+
+def write_member(parent_fd, leaf, rel, view, member, name):
+    """Write one file, directory or symlink *leaf* below *parent_fd*."""
+    kind, mode = member["type"], member["mode"] & 0o777
+    try:
+        if kind == "dir":
+            write_dir(parent_fd, leaf, rel, mode)
+        elif kind == "link":
+            _os.symlink(member["target"], leaf, dir_fd=parent_fd)
+        else:
+            data = view[member["offset"] : member["offset"] + member["size"]]
+            write_file(parent_fd, leaf, data, mode | 0o400, member["mtime_ns"])
+    except FileExistsError:
+        raise StageError(f"bundle {name!r} has member {rel!r} twice") from None
+
+
+def write_dir(parent_fd, leaf, rel, mode):
+    """Create the directory *leaf*, or accept one made earlier, never a link."""
+    try:
+        _os.mkdir(leaf, mode | 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        st = _os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
+        if (st.st_mode & 0o170000) != 0o040000:
+            raise StageError(f"bundle member {rel!r} is not a directory") from None
+
+
+def write_file(parent_fd, leaf, data, mode, mtime_ns):
+    """Create *leaf* (never following a symlink) with *data*, *mode* and mtime."""
+    fd = _os.open(leaf, FILE_FLAGS, mode, dir_fd=parent_fd)
+    try:
+        done = 0
+        while done < len(data):
+            done += _os.write(fd, data[done:])
+        _os.utime(fd, ns=(mtime_ns, mtime_ns))
+    finally:
+        _os.close(fd)
+
+
+def os_error(exc, name):
+    """Turn an OSError of extraction into one clear error (NoSpace when full)."""
+    if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        return NoSpace(f"no space left while staging {name!r}")
+    return StageError(f"cannot stage {name!r}: {exc.strerror}")

@@ -1,0 +1,112 @@
+"""The vocabulary of sys.path roots, shared by every step and tool.
+
+A *root* is a directory on ``sys.path`` (site-packages, the standard library,
+a ``--path`` tree, the script's directory). Its *listing* is the sorted list
+of its entries, directories ending in ``/``. This module alone decides:
+
+- which top-level module name an entry provides (:func:`top_name`);
+- whether a path is part of the standard library (:func:`in_stdlib`);
+- which directories a bundle holds only in part (:func:`partial_dirs`);
+- where each root goes below a staging root (:func:`destinations`).
+"""
+
+import os as _os
+import sys as _sys
+
+METADATA_SUFFIXES = (".dist-info", ".egg-info")
+NOT_MODULES = METADATA_SUFFIXES + (".libs", ".pth", ".data")
+
+
+def import_suffixes():
+    """Return the file suffixes the import system loads (``.py``, ``.so``, ...)."""
+    from importlib.machinery import all_suffixes
+
+    return tuple(all_suffixes())
+
+
+def top_name(entry, is_dir=None):
+    """Return the top-level module name a root entry provides, or ``None``.
+
+    *entry* is a listing entry (a directory ends in ``/``) or a name with
+    *is_dir* given. Packages and namespace portions are directories with an
+    identifier for a name; modules are files with an import suffix.
+    Metadata, ``.libs``, ``.pth`` files and ``__pycache__`` provide none.
+    """
+    if is_dir is None:
+        is_dir = entry.endswith("/")
+    name = entry.rstrip("/")
+    if name == "__pycache__" or name.endswith(NOT_MODULES):
+        return None
+    if is_dir:
+        return name if name.isidentifier() else None
+    if not name.endswith(import_suffixes()):
+        return None
+    stem = name.split(".", 1)[0]
+    return stem if stem.isidentifier() else None
+
+
+def module_names(listing):
+    """Return the set of top-level module names a root listing provides."""
+    return {n for n in map(top_name, listing) if n is not None}
+
+
+def listing(root):
+    """Return the entries of the directory *root*, directories ending in ``/``."""
+    with _os.scandir(root) as entries:
+        return sorted(e.name + "/" if e.is_dir() else e.name for e in entries)
+
+
+def stdlib_dirs():
+    """Return the standard library's directories: the stdlib and lib-dynload."""
+    stdlib = _os.path.dirname(_os.__file__)
+    dynload = [p for p in _sys.path if p.endswith("lib-dynload")]
+    return (stdlib, *dynload)
+
+
+def in_stdlib(path):
+    """Whether *path* is part of the standard library (not site-packages)."""
+    parts = path.split(_os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    return any(path == d or path.startswith(d + _os.sep) for d in stdlib_dirs())
+
+
+def destinations(manifest):
+    """Return, per bundled root, its directory below the staging root.
+
+    Runner bundles keep root *i* in ``r<i>``; environment bundles say where
+    each root goes (``dest``), so that several roots merge into one prefix.
+    """
+    return [root.get("dest", f"r{i}") for i, root in enumerate(manifest["roots"])]
+
+
+def partial_dirs(manifest, index):
+    """Return the directories of root *index* that the bundle holds in part.
+
+    A directory the bundle holds whole is a member of its own; one that only
+    leads to file members (``--granularity file``) is not.
+    """
+    whole, parents = set(), set()
+    for member in manifest["members"]:
+        if member["root"] != index:
+            continue
+        if member["type"] == "dir":
+            whole.add(member["rel"])
+        else:
+            rel = _os.path.dirname(member["rel"])
+            while rel and rel not in parents:
+                parents.add(rel)
+                rel = _os.path.dirname(rel)
+    return sorted(parents - whole)
+
+
+def root_of(path, roots):
+    """Return (root, top entry, rel) for *path* below one of *roots*, or ``None``.
+
+    *roots* are tried in order, so give the deepest first.
+    """
+    for root in roots:
+        if path.startswith(root + _os.sep):
+            rel = path[len(root) + 1 :]
+            return root, rel.split(_os.sep, 1)[0], rel
+    return None

@@ -1,0 +1,187 @@
+"""One staging of a bundle, from the first step to the removal of the copy.
+
+:class:`Session` strings the steps together on every rank of a
+communicator: topology → stage (read, check, broadcast, extract) →
+activate, and at the end deactivate → node barrier → removal. Both the
+runner and the public :func:`staged` context manager are built on it.
+
+Each step is agreed by all ranks, so an error raises the same
+:class:`~mpistage.StageError` on every rank and the program may catch it.
+If the program calls ``MPI.Finalize()`` itself while a session is open, the
+session closes inside ``MPI_Finalize`` (a ``COMM_SELF`` attribute's delete
+callback, which MPI runs while it can still communicate), so nothing is
+left behind and nobody waits for a rank that has gone.
+"""
+
+import contextlib as _contextlib
+import time as _time
+
+from mpistage import StageError
+from mpistage.runtime.collective import attempt, barrier
+
+VALIDATE = ("default", "files", "strict", "trust")
+
+
+class Session:
+    """A bundle staged on one rank's node, and what it changed."""
+
+    def __init__(self, comm, bundle, validate="default", keep=False):
+        if validate not in VALIDATE:
+            raise ValueError(f"validate={validate!r}: use one of {', '.join(VALIDATE)}")
+        self.comm, self.bundle = comm, bundle
+        self.validate, self.keep = validate, keep
+        self.topology = self.staged = self.activation = None
+        self.seconds, self.closed, self.on_close = {}, False, []
+        self.finalizing = False
+
+    def timed(self, step, func, *args):
+        """Run *func* as *step*, recording this rank's seconds."""
+        start = _time.perf_counter()
+        try:
+            return func(*args)
+        finally:
+            self.seconds[step] = _time.perf_counter() - start
+
+    def discover(self):
+        """Find the nodes (collective); return the topology."""
+        from mpistage.runtime.topology import discover
+
+        if self.topology is None:
+            self.topology = self.timed(
+                "topology", attempt, self.comm, discover, self.comm
+            )
+        return self.topology
+
+    def start(self):
+        """Stage the bundle and serve its imports (collective)."""
+        from mpistage.runtime import stage
+
+        self.discover()
+        buf, manifest, verdict = self.timed(
+            "read", stage.read, self.comm, self.bundle, "packages", self.staleness
+        )
+        if verdict:
+            raise StageError(verdict)
+        self.spread(buf, manifest)
+        return self
+
+    def staleness(self, manifest):
+        """Rank 0: the staleness verdict of the bundle, or ``None``."""
+        from mpistage.runtime.validate import changed, stale_message
+
+        start = _time.perf_counter()
+        found = changed(manifest, self.validate)
+        self.seconds["validate"] = _time.perf_counter() - start
+        return stale_message(self.bundle, found) if found else None
+
+    def spread(self, buf, manifest):
+        """Broadcast, extract and activate a bundle rank 0 has read."""
+        from mpistage.runtime import stage
+        from mpistage.runtime.activate import activate
+        from mpistage.runtime.cleanup import guard
+        from mpistage.runtime.place import job_tag
+
+        topo = self.topology
+        tag = self.comm.bcast(job_tag() if self.comm.rank == 0 else None, root=0)
+        place = stage.JobPlace(tag, topo.index)
+        buf, manifest = self.timed("broadcast", stage.send, topo, buf, manifest)
+        self.staged = self.timed(
+            "stage", stage.settle, topo, buf, manifest, place, self.bundle
+        )
+        del buf
+        if self.staged.root is not None and not self.keep:
+            guard(self.staged.root)
+        watch_finalize(self)
+        self.activation = self.timed(
+            "activate", attempt, self.comm, activate, self.staged
+        )
+
+    def close(self):
+        """Undo activation; after a node barrier, the leader removes the copy."""
+        from mpi4py import MPI
+
+        if self.closed:
+            return
+        self.closed = True
+        for func in self.on_close:
+            func(self)
+        if self.activation is not None:
+            from mpistage.runtime.activate import deactivate
+
+            deactivate(self.activation)
+        if self.topology is not None and not MPI.Is_finalized():
+            barrier(self.topology.node)
+        self.remove()
+
+    def remove(self):
+        """The leader removes its node's copy (unless kept); no MPI needed."""
+        from mpistage.runtime.cleanup import release
+
+        root = self.staged.root if self.staged else None
+        if root is not None and not self.keep:
+            release(root)
+
+    def abandon(self):
+        """Remove this node's copy now, from any rank: the job is ending badly."""
+        from mpistage.runtime.cleanup import release
+        from mpistage.runtime.place import remove_path
+
+        self.closed = True
+        if self.staged is None or self.keep:
+            return
+        if self.staged.root is not None:
+            release(self.staged.root)
+        else:
+            remove_path(self.staged.path)
+
+
+def watch_finalize(session):
+    """Close *session* inside ``MPI_Finalize`` if the program calls it first."""
+    from mpi4py import MPI
+
+    def on_finalize(comm, keyval, value):
+        session.finalizing = True
+        try:
+            session.close()
+        except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
+            from mpistage.runtime.collective import describe
+
+            if session.comm.rank == 0:
+                import sys
+
+                print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
+            session.comm.Abort(1)
+        return MPI.SUCCESS
+
+    keyval = MPI.COMM_SELF.Create_keyval(delete_fn=on_finalize)
+    MPI.COMM_SELF.Set_attr(keyval, session)
+    session.on_close.append(lambda s: forget_keyval(s, keyval))
+
+
+def forget_keyval(session, keyval):
+    """Detach the finalize callback once the session closed by itself."""
+    from mpi4py import MPI
+
+    if not session.finalizing and not MPI.Is_finalized():
+        MPI.COMM_SELF.Delete_attr(keyval)
+
+
+@_contextlib.contextmanager
+def staged(bundle, comm, validate="default", keep=False):
+    """Stage *bundle* on every node of *comm* and serve its imports (collective).
+
+    Inside the block, modules of the bundle are imported from this node's
+    copy. On exit the import hooks are removed, ``sys.path_hooks`` is as
+    before, and the node's copy is removed (unless *keep*). Errors raise
+    :class:`~mpistage.StageError` on every rank of *comm*.
+    """
+    session = Session(comm, bundle, validate, keep)
+    try:
+        session.start()
+    except StageError:
+        session.close()
+        raise
+    try:
+        yield session
+    finally:
+        session.close()

@@ -1,0 +1,137 @@
+"""The distribution pipeline: one read per job, one copy per node.
+
+"Stage" means this, everywhere in mpistage: rank 0 reads the bundle and
+checks it (:mod:`~mpistage.runtime.read`), the bytes go to one leader per
+node (:mod:`~mpistage.runtime.broadcast`), each leader extracts them into a
+safe directory (:mod:`~mpistage.runtime.place`,
+:mod:`~mpistage.runtime.extract`), and every rank agrees on each step. The
+runner, :func:`mpistage.staged` and ``mpistage stage`` all call
+:func:`stage`; they differ only in where the copy goes (a *place*).
+"""
+
+from mpistage import StageError
+from mpistage.runtime.collective import attempt
+
+
+class Staged:
+    """A node's copy, as every rank of the node knows it."""
+
+    def __init__(self, path, manifest, nbytes, root=None):
+        self.path, self.manifest, self.nbytes = path, manifest, nbytes
+        self.root = root  # the place.Root, on the node's leader only
+
+
+class JobPlace:
+    """The runner's place: a fresh per-job root in the first usable candidate.
+
+    A candidate that fills up while the bundle is written is passed over
+    and the next one tried.
+    """
+
+    def __init__(self, tag, node):
+        self.tag, self.node, self.full = tag, node, []
+
+    def make(self, buf):
+        """Create and return this node's :class:`~mpistage.runtime.place.Root`."""
+        from mpistage.runtime.place import make_root
+
+        return make_root(self.tag, self.node, len(buf), skip=self.full)
+
+    def retry(self, root):
+        """Note that *root*'s candidate is full; return ``True`` to try another."""
+        self.full.append(root.path.rsplit("/", 2)[0])
+        return True
+
+    def done(self, root, buf):
+        """Nothing to mark: a job root lives as long as its job."""
+
+    def discard(self, root):
+        """Remove a failed or unused job root."""
+        from mpistage.runtime.place import remove
+
+        remove(root)
+
+
+def read(comm, path, kind, check=None):
+    """Rank 0 reads and checks the bundle; return (bytes, manifest) there.
+
+    *check*, if given, runs on rank 0 with the manifest and returns a
+    verdict (``None`` when all is well); the verdict is returned on every
+    rank as the third value. Other ranks get ``(None, None, verdict)``.
+    """
+    from mpistage.runtime.read import read_checked
+
+    def on_rank0():
+        if comm.rank != 0:
+            return None, None, None
+        buf, manifest = read_checked(path, kind)
+        return buf, manifest, (check(manifest) if check else None)
+
+    buf, manifest, verdict = attempt(comm, on_rank0)
+    return buf, manifest, comm.bcast(verdict, root=0)
+
+
+def distribute(topo, buf, manifest, place, name):
+    """Broadcast the checked bundle to the leaders, extract, agree; return Staged."""
+    buf, manifest = send(topo, buf, manifest)
+    return settle(topo, buf, manifest, place, name)
+
+
+def send(topo, buf, manifest):
+    """Broadcast the bytes and the checked manifest to every leader (agreed)."""
+    from mpistage.runtime.broadcast import broadcast
+
+    def on_leader(data, checked):
+        if not topo.is_leader:
+            return None, None
+        return broadcast(topo.leaders, data), topo.leaders.bcast(checked, root=0)
+
+    return attempt(topo.world, on_leader, buf, manifest)
+
+
+def settle(topo, buf, manifest, place, name):
+    """Leaders extract into their place (agreed); every rank learns where it is."""
+    holder = []
+    try:
+        attempt(topo.world, leader_extract, topo, buf, manifest, place, name, holder)
+    except StageError:
+        for root in holder:
+            place.discard(root)
+        raise
+    nbytes = len(buf) if buf is not None else 0
+    path, manifest, nbytes = topo.node.bcast(
+        (holder[0].path, manifest, nbytes) if topo.is_leader else None, root=0
+    )
+    return Staged(path, manifest, nbytes, holder[0] if holder else None)
+
+
+def leader_extract(topo, buf, manifest, place, name, holder):
+    """On a leader: make the place and extract into it, trying again if full."""
+    from mpistage.runtime.extract import NoSpace, extract
+
+    if not topo.is_leader:
+        return
+    while True:
+        root = place.make(buf)
+        if getattr(root, "reused", False):
+            holder.append(root)
+            return
+        try:
+            extract(root.fd, buf, manifest, name)
+            place.done(root, buf)
+        except NoSpace as exc:
+            place.discard(root)
+            if not place.retry(root):
+                raise StageError(f"{exc} in {root.path!r}") from None
+            continue
+        except BaseException:
+            place.discard(root)
+            raise
+        holder.append(root)
+        return
+
+
+def stage(topo, path, place, kind="packages"):
+    """Read, check, broadcast and extract the bundle at *path*; return Staged."""
+    buf, manifest, _ = read(topo.world, path, kind)
+    return distribute(topo, buf, manifest, place, path)

@@ -73,15 +73,14 @@ def mapping(address):
                     head = parts
             elif head is not None and parts[0] == "Pss:":
                 pss = int(parts[1])
-    return {"perms": head[1], "inode": head[3] + ":" + head[4], "pss_kb": pss}
+    return {"perms": head[1], "inode": head[3] + " " + head[4], "pss_kb": pss}
 
 def address(view):
     return np.frombuffer(view, np.uint8).ctypes.data
 
 def mapped(inode):
-    dev, ino = inode.split(":")
     with open("/proc/self/maps") as f:
-        return any(l.split()[3:5] == [dev, ino] for l in f if len(l.split()) > 4)
+        return any(line.split()[3:5] == inode.split() for line in f)
 """
 
 
@@ -120,9 +119,9 @@ def files(tmp_path_factory):
     return {k.split(".")[0]: str(v) for k, v in paths.items()}
 
 
-def launch(n, nodes, body, files, env, tmp_path, extra=None):
+def launch(n, nodes, body, files, env, tmp_path, extra=None, head=""):
     """Run *body* on *n* ranks and *nodes* emulated nodes; return the results."""
-    target = write_target(tmp_path / "target.py", PRELUDE + body)
+    target = write_target(tmp_path / "target.py", head + PRELUDE + body)
     env = dict(env, MPISTAGE_EMULATE_NODES=str(nodes))
     result = mpirun(n, [target, json.dumps({**files, **(extra or {})})], env)
     assert result.returncode == 0, result
@@ -285,13 +284,16 @@ def test_one_copy_per_node(tmp_path, stage_env, files, ranks, nodes):
     assert len({out["inode"] for out in found}) == nodes
 
 
-LIFETIME = """
-import atexit
-out = {}
 # Registered before mpistage.data is imported, so it runs after data's own
 # exit handler: the copy still held at exit must be gone by then.
+AT_EXIT = """
+import atexit
+out = {}
 atexit.register(lambda: emit(dict(out, exit_freed=not mapped(out["exit"]))))
-from mpistage import data
+"""
+
+LIFETIME = """
+assert atexit._ncallbacks() == 2  # ours, then mpistage.data's
 blob, other = FILES["blob"], FILES["c"]
 
 with data.read(blob, comm=comm) as buf:
@@ -327,7 +329,8 @@ out["exit"] = mapping(keep.array.ctypes.data)["inode"]
 
 
 def test_lifetime(tmp_path, stage_env, files):
-    for rank, out in enumerate(launch(4, 2, LIFETIME, files, stage_env, tmp_path)):
+    found = launch(4, 2, LIFETIME, files, stage_env, tmp_path, head=AT_EXIT)
+    for rank, out in enumerate(found):
         out.pop("exit")
         assert out == {
             "with_inside": True,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from envtools import small_venv
-from mpistage.build import elfdeps
+from mpistage.bundle import elfdeps
 from stagetools import PYTHON, clean_environ, run
 
 GLIBC = ("libc.so.6", "libm.so.6", "libpthread.so.0", "libdl.so.2", "librt.so.1")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from envtools import elf_files, opened, runpaths, small_venv, trace_paths, under
-from mpistage.build import elfdeps
+from mpistage.bundle import elfdeps
 from mpistage.runtime import format as bundle_format
 from mpistage.runtime.roots import destinations
 from stagetools import (

@@ -209,7 +209,7 @@ def test_failed_pack_keeps_the_old_bundle(tmp_path, tiny):
 
 def test_write_is_atomic_when_interrupted(tmp_path, tiny, monkeypatch):
     import mpistage
-    from mpistage.build import writer
+    from mpistage.bundle import writer
 
     out = tmp_path / "app.mpistage"
     out.write_bytes(b"old contents")

@@ -50,16 +50,16 @@ def staged(bundle, comm=None, **options):
 def pack(output, names=(), **options):
     """Write a bundle; the library form of ``mpistage pack``.
 
-    See :func:`mpistage.build.pack.pack` for the keywords.
+    See :func:`mpistage.bundle.pack.pack` for the keywords.
     """
-    from mpistage.build.pack import pack as _pack
+    from mpistage.bundle.pack import pack as _pack
 
     return _pack(output, names, **options)
 
 
 def inspect(bundle):
     """Return the manifest of *bundle*; the library form of ``mpistage inspect``."""
-    from mpistage.build.inspect import inspect as _inspect
+    from mpistage.bundle.inspect import inspect as _inspect
 
     return _inspect(bundle)
 

@@ -19,6 +19,10 @@ TOOLS = ("pack", "record", "inspect", "clean", "bench")
 def main(argv=None):
     """Dispatch *argv* (default ``sys.argv[1:]``): a tool, the stager or the runner."""
     argv = list(_sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"], ["--version"]):
+        from mpistage.runtime.launch import parse
+
+        parse(argv)  # prints and exits, without starting MPI
     if argv and argv[0] in TOOLS:
         from mpistage.cli import main as tool
 

@@ -15,7 +15,7 @@ def _start():
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     folder = os.environ.get("MPISTAGE_RECORD_DIR")
     if folder:
-        from mpistage.build.record import start_child
+        from mpistage.bundle.record import start_child
 
         start_child(folder)
     _run_users_sitecustomize()

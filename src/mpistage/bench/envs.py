@@ -57,7 +57,7 @@ def copy(src, dst):
 
 def base_python():
     """Return the interpreter this venv was made from (itself if not a venv)."""
-    from mpistage.build.envpack import read_cfg
+    from mpistage.bundle.envpack import read_cfg
 
     cfg = read_cfg(_os.path.join(_sys.prefix, "pyvenv.cfg"))
     return cfg.get("executable") or _sys.executable

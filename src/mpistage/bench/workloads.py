@@ -29,8 +29,8 @@ class Numpy(Workload):
 
     def build(self, site):
         """Copy numpy, its metadata and numpy.libs, as `pack` would take them."""
-        from mpistage.build.pack import add_package
-        from mpistage.build.writer import Selection as Roots
+        from mpistage.bundle.pack import add_package
+        from mpistage.bundle.writer import Selection as Roots
 
         roots = Roots(exclude=["*/tests"])
         add_package(roots, "numpy")
@@ -65,8 +65,8 @@ class Code(Workload):
 
     def build(self, site):
         """Copy each named package as `pack` would take it."""
-        from mpistage.build.pack import add_package
-        from mpistage.build.writer import Selection as Roots
+        from mpistage.bundle.pack import add_package
+        from mpistage.bundle.writer import Selection as Roots
 
         roots = Roots()
         for name in self.packages:

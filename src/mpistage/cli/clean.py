@@ -1,4 +1,86 @@
-"""``mpistage clean [DIR] [--dry-run]``: the command line of the clean tool."""
+"""``mpistage clean [DIR] [--dry-run]``: remove staging roots left behind.
+
+A job whose nodes crashed, or that ran with ``--keep``, leaves its staging
+roots. Each root records the host and pid of the leader that made it; a
+root of this user, on this host, whose leader is gone or a zombie is stale.
+Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
+complete or interrupted. Removal is :func:`mpistage.runtime.place.remove`.
+"""
+
+import os as _os
+
+from mpistage import StageError
+
+
+def clean(folder=None, dry_run=False):
+    """Remove (or, with *dry_run*, list) stale roots, or the stage in *folder*."""
+    return clean_stage(folder, dry_run) if folder else clean_roots(dry_run)
+
+
+def clean_roots(dry_run=False):
+    """Remove this user's stale staging roots on this host; return their paths."""
+    from mpistage.runtime.place import candidates, open_safe, remove_entry
+
+    found = []
+    for candidate in candidates():
+        try:
+            real, fd = open_safe(_os.path.join(candidate, f"mpistage-{_os.getuid()}"))
+        except (StageError, OSError):
+            continue
+        try:
+            for name in stale_in(fd):
+                found.append(f"{real}/{name}")
+                if not dry_run:
+                    remove_entry(fd, name)
+        finally:
+            _os.close(fd)
+    return found
+
+
+def stale_in(fd):
+    """Yield the names of the stale roots in this user's directory *fd*."""
+    from mpistage.runtime.place import DIR_FLAGS, read_owner
+
+    host = _os.uname().nodename
+    for name in sorted(_os.listdir(fd)):
+        try:
+            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            owner = read_owner(root_fd)
+        finally:
+            _os.close(root_fd)
+        if owner and owner.get("host") == host and not alive(owner.get("pid")):
+            yield name
+
+
+def alive(pid):
+    """Whether a process with *pid* runs on this host (a zombie does not)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, ValueError, TypeError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def clean_stage(folder, dry_run=False):
+    """Remove an environment staged by ``mpistage stage`` into *folder*."""
+    from mpistage.runtime.place import remove, target_dir
+    from mpistage.runtime.stager import read_marker
+
+    if _os.path.islink(folder) or not _os.path.isdir(folder):
+        raise StageError(f"{folder!r} is not a directory")
+    root = target_dir(folder)
+    if not read_marker(root.fd):
+        root.close()
+        raise StageError(f"{folder!r} is not a stage made by `mpistage stage`")
+    if dry_run:
+        root.close()
+    else:
+        remove(root)
+    return [folder]
 
 
 def parser():
@@ -17,8 +99,6 @@ def parser():
 
 def main(argv):
     """Run ``mpistage clean``; return the exit status."""
-    from mpistage.build.clean import clean
-
     args = parser().parse_args(argv)
     for root in clean(args.dir, dry_run=args.dry_run):
         print(("would remove " if args.dry_run else "removed ") + root)

@@ -18,7 +18,7 @@ def main(argv):
     import os
 
     from mpistage import inspect
-    from mpistage.build.inspect import render
+    from mpistage.bundle.inspect import render
 
     args = parser().parse_args(argv)
     manifest = inspect(args.bundle)

@@ -66,7 +66,7 @@ def parser():
 def main(argv):
     """Run ``mpistage pack``; return the exit status."""
     from mpistage import pack
-    from mpistage.build.inspect import render
+    from mpistage.bundle.inspect import render
 
     args = parser().parse_args(argv)
     manifest = pack(

@@ -36,8 +36,8 @@ def parser():
 
 def main(argv):
     """Run ``mpistage record``; return the exit status."""
-    from mpistage.build.inspect import render
-    from mpistage.build.record import record
+    from mpistage.bundle.inspect import render
+    from mpistage.bundle.record import record
 
     args = parser().parse_args(argv)
     manifest = record(

@@ -99,7 +99,7 @@ def read_cached(path, check):
 
 def start_recording():
     """Start recording this rank's use of files (a learning run)."""
-    from mpistage.build.record import Recorder
+    from mpistage.bundle.record import Recorder
 
     return Recorder()
 
@@ -118,7 +118,7 @@ def save(comm, recorder, path, args):
     def write():
         if comm.rank != 0:
             return
-        from mpistage.build.record import build
+        from mpistage.bundle.record import build
 
         command = ["python", "-m", "mpistage", "--auto", *args]
         extra = {"command": command, "processes": comm.size}

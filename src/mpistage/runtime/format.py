@@ -12,7 +12,7 @@ A bundle is untrusted input. :func:`check` refuses a manifest whose shape is
 wrong (a missing key, a root index out of range, an unknown member type, a
 path that is absolute or climbs with ``..``, data outside the data section)
 before any rank acts on it, so extraction may rely on its shape. The writer
-is :mod:`mpistage.build.writer`.
+is :mod:`mpistage.bundle.writer`.
 """
 
 import struct as _struct

@@ -97,7 +97,7 @@ class Session:
         )
 
     def close(self):
-        """Undo activation; after a node barrier, the leader removes the copy."""
+        """Undo activation; between two node barriers, the leader removes the copy."""
         from mpi4py import MPI
 
         if self.closed:
@@ -109,9 +109,12 @@ class Session:
             from mpistage.runtime.activate import deactivate
 
             deactivate(self.activation)
-        if self.topology is not None and not MPI.Is_finalized():
+        alive = self.topology is not None and not MPI.Is_finalized()
+        if alive:
             barrier(self.topology.node)
         self.remove()
+        if alive:  # every rank leaves once its node's copy is gone
+            barrier(self.topology.node)
 
     def remove(self):
         """The leader removes its node's copy (unless kept); no MPI needed."""

@@ -101,7 +101,7 @@ def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
     Returns the manifest; ``manifest["env"]["missing"]`` names the libraries
     that could not be found.
     """
-    from mpistage.build.writer import Selection
+    from mpistage.bundle.writer import Selection
 
     try:
         import elftools  # noqa: F401
@@ -147,7 +147,7 @@ def take_base(roots, env):
 
 def elf_members(roots):
     """Yield every regular ELF file chosen so far."""
-    from mpistage.build.elfdeps import is_elf
+    from mpistage.bundle.elfdeps import is_elf
 
     for root in roots.paths:
         for path in roots.files[root]:
@@ -157,7 +157,7 @@ def elf_members(roots):
 
 def take_libraries(roots, env, exclude_libs):
     """Add the shared libraries the ELF files need from outside the roots."""
-    from mpistage.build.elfdeps import closure
+    from mpistage.bundle.elfdeps import closure
 
     lib_path = [_os.path.join(p, "lib") for p in (env.prefix, env.base) if p]
     extra = ":".join(lib_path + [_os.environ.get("LD_LIBRARY_PATH", "")])
@@ -190,7 +190,7 @@ def new_dir(roots, env, path):
 
 def relocated(roots, env, root, path):
     """Return *path*'s content fixed for its new place, or ``None`` if unchanged."""
-    from mpistage.build.elfdeps import is_elf
+    from mpistage.bundle.elfdeps import is_elf
 
     with open(path, "rb") as f:
         head = f.read(256)
@@ -258,7 +258,7 @@ def patch_string(data, offset, mapping, own_dir):
 
 def write_env(output, roots, env, libs, missing):
     """Relocate what needs it and write the environment bundle."""
-    from mpistage.build.writer import write
+    from mpistage.bundle.writer import write
 
     for root in roots.paths:
         roots.dest[root] = destination(roots, env, root)

@@ -53,7 +53,9 @@ class Recorder:
         path = args[0] if args else None
         if isinstance(path, bytes):
             path = _os.fsdecode(path)
-        if not isinstance(path, str) or (event == "ctypes.dlopen" and _os.sep not in path):
+        if not isinstance(path, str) or (
+            event == "ctypes.dlopen" and _os.sep not in path
+        ):
             return
         if event.startswith("os.") and by_import_system():
             return
@@ -133,7 +135,7 @@ def choose(selection, path, roots, granularity, done):
 
     *done* holds the (root, name) packages already added whole.
     """
-    from mpistage.build.pack import add_top
+    from mpistage.bundle.pack import add_top
     from mpistage.runtime.roots import METADATA_SUFFIXES, root_of, top_name
 
     found = root_of(path, roots)
@@ -186,10 +188,12 @@ def take_listed(selection, usages, roots):
                     selection.take(found[0], path)
 
 
-def build(output, usages, granularity="package", created_by="record", extra=None, stdlib=True):
+def build(
+    output, usages, granularity="package", created_by="record", extra=None, stdlib=True
+):
     """Write the bundle of what *usages* used; return its manifest."""
-    from mpistage.build.pack import TEST_DIRS
-    from mpistage.build.writer import Selection, write
+    from mpistage.bundle.pack import TEST_DIRS
+    from mpistage.bundle.writer import Selection, write
 
     check_same_python(usages)
     roots, selection, done = usable_roots(usages, stdlib), Selection(TEST_DIRS), set()
@@ -272,7 +276,9 @@ def record(output, command, granularity="package", stdlib=True):
         raise StageError(f"granularity {granularity!r}: use package or file")
     status, usages = record_command(command)
     if status != 0:
-        raise StageError(f"the recorded command exited with status {status}; no bundle written")
+        raise StageError(
+            f"the recorded command exited with status {status}; no bundle written"
+        )
     if not usages:
         raise StageError(
             "no Python process was recorded: run a Python program "
@@ -289,7 +295,9 @@ def record_command(command):
     import subprocess
     import tempfile
 
-    hook = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "_hook")
+    hook = _os.path.join(
+        _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "_hook"
+    )
     with tempfile.TemporaryDirectory(prefix="mpistage-record-") as folder:
         env = dict(_os.environ, MPISTAGE_RECORD_DIR=folder)
         env["PYTHONPATH"] = _os.pathsep.join(

@@ -53,12 +53,12 @@ def pack(
     if env is not None:
         if names or paths or stdlib:
             raise StageError("--env packs a whole environment: give no names or --path")
-        from mpistage.build.envpack import pack_env
+        from mpistage.bundle.envpack import pack_env
 
         return pack_env(output, env, exclude, exclude_lib)
     if not names and not paths and not stdlib:
         raise StageError("nothing to pack: name a package or give --path DIR")
-    from mpistage.build.writer import Selection, write
+    from mpistage.bundle.writer import Selection, write
 
     selection = Selection(tuple(exclude) + (() if tests else TEST_DIRS))
     for name in names:

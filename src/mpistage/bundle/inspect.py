@@ -1,7 +1,5 @@
 """What a bundle holds, from its manifest alone: :func:`mpistage.inspect`."""
 
-import os as _os
-
 
 def largest(manifest, count=10):
     """Return the *count* largest file members, biggest first."""

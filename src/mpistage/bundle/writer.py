@@ -1,0 +1,241 @@
+"""The one bundle writer: fed (source, target) member records.
+
+:class:`Selection` is what a bundle will hold: its roots, and per root the
+original files it takes (``pack``, ``record`` and ``pack --env`` each fill
+one). :func:`write` turns a selection into a bundle, atomically: members are
+streamed to a temporary file in the target's directory, the manifest comes
+last, the header is filled in, and the file is renamed into place; on any
+error the temporary file is removed and the target is untouched.
+
+For each root the manifest records its listing (so absent names can be
+answered without the file system) and, for each bundled distribution, the
+identity of its ``RECORD`` (inode, size, mtime); members its ``RECORD``
+lists are marked ``owned``. That is what lets the staleness check cost
+O(distributions + directories) (see :mod:`mpistage.runtime.validate`).
+"""
+
+import hashlib as _hashlib
+import os as _os
+
+from mpistage import StageError
+from mpistage.runtime import format as _format
+
+COPY_SIZE = 1 << 20
+
+
+class Selection:
+    """The roots of a bundle and, for each, the original paths it takes."""
+
+    def __init__(self, exclude=()):
+        self.paths, self.files, self.exclude = [], {}, tuple(exclude)
+        self.dest, self.data, self.rename, self.links = {}, {}, {}, []
+        self.source = {}
+
+    def index(self, root):
+        """Return the number of *root*, registering it on first use."""
+        root = _os.path.abspath(root)
+        if root not in self.files:
+            self.paths.append(root)
+            self.files[root] = set()
+        return self.paths.index(root)
+
+    def take(self, root, path):
+        """Add *path* (below *root*) and, for a directory, all below it."""
+        self.index(root)
+        root = _os.path.abspath(root)
+        kept = (p for p in walk(path) if not self.excluded(_os.path.relpath(p, root)))
+        self.files[root].update(kept)
+
+    def excluded(self, rel):
+        """Whether *rel* or one of its parent directories matches an exclusion."""
+        from fnmatch import fnmatch
+
+        while rel and rel != "." and self.exclude:
+            if any(fnmatch(rel, pattern) for pattern in self.exclude):
+                return True
+            rel = _os.path.dirname(rel)
+        return False
+
+    def records(self):
+        """Yield (root index, rel, source path, replacement data) in order.
+
+        A member is read from its source (itself, unless renamed to the file a
+        symlink resolves to), with its content replaced when relocated.
+        """
+        for index, root in enumerate(self.paths):
+            for path in sorted(self.files[root]):
+                if path != root:
+                    rel = self.rename.get(path, _os.path.relpath(path, root))
+                    yield index, rel, self.source.get(path, path), self.data.get(path)
+
+
+def walk(path):
+    """Yield *path* and, for a real directory, everything below it."""
+    yield _os.path.abspath(path)
+    if _os.path.isdir(path) and not _os.path.islink(path):
+        for top, dirs, files in _os.walk(path):
+            for name in dirs + files:
+                yield _os.path.abspath(_os.path.join(top, name))
+
+
+def write(output, selection, fields):
+    """Write the bundle of *selection* to *output*; return its manifest.
+
+    *fields* are more manifest fields (``created_by``, ``packages``, ...).
+    """
+    import time
+
+    from mpistage import __version__
+
+    if not output.endswith(_format.SUFFIX):
+        raise StageError(f"bundle name {output!r} must end in {_format.SUFFIX!r}")
+    roots = [root_entry(selection, p) for p in selection.paths]
+    manifest = {
+        "kind": "packages",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "mpistage": __version__,
+        "python": _format.python_tag(),
+        **fields,
+        "roots": roots,
+    }
+    owned = [set(r.pop("_owned")) for r in roots]
+    with Writer(output) as writer:
+        for index, rel, path, data in selection.records():
+            writer.add(index, rel, path, data, rel in owned[index])
+        for index, rel, target in selection.links:
+            writer.add_link(index, rel, target)
+        return writer.finish(manifest)
+
+
+def root_entry(selection, root):
+    """Describe a root for the manifest: path, listing, distributions."""
+    from mpistage.runtime.roots import listing
+
+    entry = {"path": root, "listing": listing(root) if _os.path.isdir(root) else []}
+    if root in selection.dest:
+        entry["dest"] = selection.dest[root]
+    dists, owned = distributions(root, selection.files[root])
+    if dists:
+        entry["dists"] = dists
+    entry["_owned"] = owned
+    return entry
+
+
+def distributions(root, files):
+    """Return the RECORD identities of bundled distributions, and what they own."""
+    from mpistage.runtime.roots import METADATA_SUFFIXES
+
+    dists, owned = {}, set()
+    for path in files:
+        name = _os.path.relpath(path, root)
+        record = _os.path.join(path, "RECORD")
+        if "/" in name or not name.endswith(METADATA_SUFFIXES):
+            continue
+        if not _os.path.isfile(record):
+            continue
+        st = _os.stat(record)
+        dists[name] = [st.st_ino, st.st_size, st.st_mtime_ns]
+        owned |= record_paths(root, record)
+    return dists, owned
+
+
+def record_paths(root, record):
+    """Return the root-relative paths a ``RECORD`` file lists, normalized."""
+    import csv
+
+    found = set()
+    with open(record, newline="", encoding="utf-8", errors="replace") as f:
+        for row in csv.reader(f):
+            if row and row[0]:
+                rel = _os.path.normpath(row[0])
+                if not rel.startswith(".."):
+                    found.add(rel)
+    return found
+
+
+class Writer:
+    """Stream members to a temporary file; add the manifest and header last."""
+
+    def __init__(self, path):
+        import tempfile
+
+        self.path = _os.path.abspath(path)
+        try:
+            fd, self.tmp = tempfile.mkstemp(
+                dir=_os.path.dirname(self.path), prefix=".mpistage-", suffix=".tmp"
+            )
+        except OSError as exc:
+            raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
+        self.file = _os.fdopen(fd, "wb")
+        self.file.write(bytes(_format.HEADER_SIZE))
+        self.members = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is not None:
+            self.file.close()
+            _os.unlink(self.tmp)
+
+    def add(self, root, rel, path, data=None, owned=False):
+        """Add the file, directory or symlink at *path* as *rel* under *root*.
+
+        *data*, when given, replaces the file's content (a relocated script
+        or binary); its mode and mtime still come from *path*.
+        """
+        st = _os.lstat(path)
+        member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
+        member["mtime_ns"] = st.st_mtime_ns
+        if _os.path.islink(path):
+            member.update(type="link", target=_os.readlink(path), size=0)
+        elif _os.path.isdir(path):
+            member.update(type="dir", size=0)
+        else:
+            member.update(type="file", **self.copy(path, data))
+        if owned:
+            member["owned"] = True
+        self.members.append(member)
+
+    def add_link(self, root, rel, target):
+        """Add a symlink *rel* under *root* pointing to *target*."""
+        member = {"rel": rel, "root": root, "mode": 0o777, "mtime_ns": 0}
+        self.members.append(dict(member, type="link", target=target, size=0))
+
+    def copy(self, path, data=None):
+        """Append a file's content (or *data*); return offset, size, digest."""
+        offset, digest, size = self.file.tell(), _hashlib.sha256(), 0
+        chunks = [data] if data is not None else file_chunks(path)
+        for chunk in chunks:
+            digest.update(chunk)
+            self.file.write(chunk)
+            size += len(chunk)
+        return {"offset": offset, "size": size, "sha256": digest.hexdigest()}
+
+    def finish(self, manifest):
+        """Append *manifest* (plus the members), fill the header, rename."""
+        import json
+
+        manifest = dict(manifest, format=_format.FORMAT, members=self.members)
+        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        offset = self.file.tell()
+        self.file.write(raw)
+        self.file.seek(0)
+        digest = _hashlib.sha256(raw).digest()
+        header = _format.HEADER.pack(
+            _format.MAGIC, _format.FORMAT, 0, offset, len(raw), digest
+        )
+        self.file.write(header)
+        self.file.flush()
+        _os.fsync(self.file.fileno())
+        self.file.close()
+        _os.chmod(self.tmp, 0o644)
+        _os.replace(self.tmp, self.path)
+        return manifest
+
+
+def file_chunks(path):
+    """Yield the content of the file at *path* in pieces."""
+    with open(path, "rb") as src:
+        while chunk := src.read(COPY_SIZE):
+            yield chunk

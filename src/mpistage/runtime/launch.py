@@ -160,7 +160,10 @@ class Runner:
         verdict = self.world.bcast(verdict, root=0)
         self.auto = verdict or "replayed"
         if verdict:
+            from mpistage.runtime.session import watch_finalize
+
             self.recorder = auto.start_recording()
+            watch_finalize(session)
         else:
             session.spread(buf, manifest)
 

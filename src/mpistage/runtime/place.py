@@ -64,7 +64,13 @@ class Root:
 
 
 def open_safe(path):
-    """Open the existing directory *path* safely; return (resolved path, fd)."""
+    """Open the existing directory *path* safely; return (resolved path, fd).
+
+    Both the path as given and the path it resolves to must pass
+    :func:`check_ancestor`; a symlink on the way must be ours or root's.
+    """
+    path = _os.path.abspath(path)
+    check_given(path)
     real = _os.path.realpath(path)
     fd = _os.open("/", DIR_FLAGS)
     try:
@@ -90,6 +96,26 @@ def step_into(fd, name, path):
     finally:
         _os.close(fd)
     return child
+
+
+def check_given(path):
+    """Check each component of *path* as given, symlinks included."""
+    import stat
+
+    done = ""
+    for part in path.split("/")[1:]:
+        done += "/" + part
+        try:
+            st = _os.lstat(done)
+        except OSError:
+            return  # Refused with its reason when it is opened.
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, _os.getuid()):
+                raise StageError(
+                    f"{done!r} is a symlink of uid {st.st_uid}, not yours or root's"
+                )
+        elif stat.S_ISDIR(st.st_mode):
+            check_ancestor(st, done)
 
 
 def check_ancestor(st, path):
@@ -287,12 +313,18 @@ def remove_entry(parent_fd, name):
         return
     except (IsADirectoryError, PermissionError):
         pass  # A directory: empty it first.
-    try:
-        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    for _attempt in range(3):
         try:
-            empty(fd)
-        finally:
-            _os.close(fd)
-        _os.rmdir(name, dir_fd=parent_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return
+            fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+            try:
+                empty(fd)
+            finally:
+                _os.close(fd)
+            _os.rmdir(name, dir_fd=parent_fd)
+            return
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as exc:
+            if exc.errno != _errno.ENOTEMPTY:
+                raise
+            # A rank still running wrote bytecode meanwhile: empty it again.

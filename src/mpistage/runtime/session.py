@@ -32,7 +32,7 @@ class Session:
         self.validate, self.keep = validate, keep
         self.topology = self.staged = self.activation = None
         self.seconds, self.closed, self.on_close = {}, False, []
-        self.finalizing = False
+        self.finalizing = self.watched = False
 
     def timed(self, step, func, *args):
         """Run *func* as *step*, recording this rank's seconds."""
@@ -125,22 +125,33 @@ class Session:
             release(root)
 
     def abandon(self):
-        """Remove this node's copy now, from any rank: the job is ending badly."""
+        """Remove this node's copy now, from any rank: the job is ending badly.
+
+        Best effort: what cannot be removed now, the leader's watchdog removes
+        when the job is gone.
+        """
         from mpistage.runtime.cleanup import release
         from mpistage.runtime.place import remove_path
 
         self.closed = True
         if self.staged is None or self.keep:
             return
-        if self.staged.root is not None:
-            release(self.staged.root)
-        else:
-            remove_path(self.staged.path)
+        try:
+            if self.staged.root is not None:
+                release(self.staged.root)
+            else:
+                remove_path(self.staged.path)
+        except (OSError, StageError):
+            pass
 
 
 def watch_finalize(session):
     """Close *session* inside ``MPI_Finalize`` if the program calls it first."""
     from mpi4py import MPI
+
+    if session.watched:
+        return
+    session.watched = True
 
     def on_finalize(comm, keyval, value):
         session.finalizing = True

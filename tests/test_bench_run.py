@@ -37,12 +37,29 @@ def bench(tmp_path_factory):
         "0.2ms",
         "--modes",
         "plain,mpistage,local",
+        "--layout",
+        "packages",
         "-o",
         str(out),
     ]
     result = run(args, env=clean_environ(), timeout=300)
     assert result.returncode == 0, result
     return out, result
+
+
+@pytest.fixture(scope="module")
+def realistic(tmp_path_factory):
+    """The realistic layout, tiny: interpreter, stdlib, venv all on simfs."""
+    out = tmp_path_factory.mktemp("realistic") / "out"
+    args = [
+        *("-m", "mpistage", "bench", "run", "--workload", "generated"),
+        *("--modules", "12", "--extensions", "1", "--ranks", "1,3", "--nodes", "2"),
+        *("--latency", "0", "--modes", "floor,plain,mpistage,staged-env"),
+        *("-o", str(out)),
+    ]
+    result = run([sys.executable, *args], env=clean_environ(), timeout=600)
+    assert result.returncode == 0, result
+    return json.loads((out / "results.json").read_text())["rows"]
 
 
 def test_writes_csv_json_and_png_with_the_expected_columns(bench):
@@ -55,7 +72,7 @@ def test_writes_csv_json_and_png_with_the_expected_columns(bench):
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["latency"] == "0.2ms" and len(data["rows"]) == 6
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| workload | ranks | nodes | mode |" in result.stdout
+    assert "| workload | layout | ranks | nodes | mode |" in result.stdout
     assert "results.png" in result.stdout
 
 
@@ -68,3 +85,21 @@ def test_the_figures_show_the_shared_fs_traffic_of_each_mode(bench):
     assert ops[("plain", 2)] > 1.8 * ops[("plain", 1)] > 0
     assert ops[("mpistage", 2)] == ops[("mpistage", 1)]
     assert ops[("mpistage", 2)] < ops[("plain", 1)]
+
+
+def test_realistic_layout_counts_what_every_rank_pays(realistic):
+    cell = {(r["mode"], r["ranks"]): r for r in realistic}
+    assert all(r["layout"] == "realistic" for r in realistic)
+    floor = cell[("floor", 3)]["ops_rank_median"]  # F: python + mpi4py, per rank
+    assert floor > 500  # the interpreter itself starts from the shared FS
+    plain, staged = cell[("plain", 3)], cell[("mpistage", 3)]
+    assert plain["ops_rank_median"] > floor
+    # ranks other than 0 pay F plus the runner's own start, nothing per module
+    assert (
+        floor < staged["ops_rank_median"] < min(floor + 250, plain["ops_rank_median"])
+    )
+    assert staged["ops_rank_max"] == staged["ops_rank_median"]
+    # the staged environment: a stage step per node, then nothing at all
+    env = cell[("staged-env", 3)]
+    assert env["ops_rank0"] == env["ops_rank_max"] == 0
+    assert env["ops_stage_node"] > 0 and env["stage_s"] > 0

@@ -75,6 +75,7 @@ def __getattr__(name):
 # -- collective loading of the runtime package --------------------------------
 
 RUNTIME = "mpistage.runtime"
+RANK0_STDLIB = ("json", ("__init__", "decoder", "scanner", "encoder"))
 
 
 def load_runtime(comm):
@@ -82,47 +83,75 @@ def load_runtime(comm):
 
     Rank 0 reads the package's code (one directory listing, then each file
     relative to an open directory) and broadcasts it; the other ranks import
-    it from memory and never touch the file system for it. Calling it again
-    does nothing.
+    it from memory and never touch the file system for it. Rank 0 also reads
+    the standard library modules only it needs before activation (``json``,
+    for the manifest) the same way, for itself. Calling it again does nothing.
     """
+    import os
+
     if any(isinstance(f, _Preloaded) for f in _sys.meta_path):
         return
-    codes = _read_runtime() if comm.rank == 0 else None
+    codes = {}
+    if comm.rank == 0:
+        codes = _read_package(os.path.join(__path__[0], "runtime"), RUNTIME)
     codes = comm.bcast(codes, root=0)
+    if comm.rank == 0 and RANK0_STDLIB[0] not in _sys.modules:
+        folder = os.path.join(os.path.dirname(os.__file__), RANK0_STDLIB[0])
+        codes.update(_read_package(folder, RANK0_STDLIB[0], RANK0_STDLIB[1]))
     _sys.meta_path.insert(0, _Preloaded(codes))
 
 
-def _read_runtime():
-    """Return ``{module name: (origin, is package, marshalled code)}`` (rank 0)."""
+def _read_package(folder, package, only=None):
+    """Return ``{name: (origin, is package, marshalled code)}`` of *folder*'s modules.
+
+    *only* names the module stems to read (default: every ``.py`` file).
+    Each file is reached relative to descriptors of *folder* and its
+    ``__pycache__``: about six metadata operations a module.
+    """
     import os
 
-    folder = os.path.join(__path__[0], "runtime")
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        cache = _open_cache(fd)
         codes = {}
-        for entry in os.listdir(fd):
+        for entry in sorted(os.listdir(fd)):
             stem, dot, suffix = entry.partition(".")
             if dot and suffix == "py" and stem.isidentifier():
-                name = RUNTIME if stem == "__init__" else f"{RUNTIME}.{stem}"
-                origin = os.path.join(folder, entry)
-                codes[name] = (origin, stem == "__init__", _code(fd, entry, origin))
+                if only is None or stem in only:
+                    name = package if stem == "__init__" else f"{package}.{stem}"
+                    origin = os.path.join(folder, entry)
+                    code = _code(fd, cache, entry, origin)
+                    codes[name] = (origin, stem == "__init__", code)
         return codes
     finally:
         os.close(fd)
+        if cache is not None:
+            os.close(cache)
 
 
-def _code(fd, entry, origin):
+def _open_cache(fd):
+    """Open the ``__pycache__`` below *fd*, or return ``None``."""
+    import os
+
+    try:
+        return os.open("__pycache__", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    except OSError:
+        return None
+
+
+def _code(fd, cache, entry, origin):
     """Return the marshalled code of *entry*: its valid bytecode cache, or compiled."""
     import marshal
     import os
     from importlib.util import MAGIC_NUMBER, cache_from_source
 
     st = os.stat(entry, dir_fd=fd)
-    cached = os.path.relpath(cache_from_source(origin), os.path.dirname(origin))
-    try:
-        data = _read_at(fd, cached)
-    except OSError:
-        data = b""  # No bytecode cache yet: compile the source below.
+    data = b""
+    if cache is not None:
+        try:
+            data = _read_at(cache, os.path.basename(cache_from_source(origin)))
+        except OSError:
+            pass  # No bytecode cache yet: compile the source below.
     stamp = (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
     want = MAGIC_NUMBER + bytes(4) + b"".join(n.to_bytes(4, "little") for n in stamp)
     if data[:16] == want:
@@ -135,8 +164,18 @@ def _read_at(fd, name):
     """Return the bytes of the file *name* in the directory open as *fd*."""
     import os
 
-    with open(os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd), "rb") as f:
-        return f.read()
+    file = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        size, chunks = os.fstat(file).st_size, []
+        while size > 0:
+            chunk = os.read(file, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(file)
 
 
 class _Preloaded:

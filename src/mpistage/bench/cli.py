@@ -2,12 +2,14 @@
 
 Verbs: ``simfs SRC MOUNTPOINT`` mounts the simulator, ``unmount MOUNTPOINT``
 and ``stats MOUNTPOINT`` manage it, ``generate DIR`` writes a Pynamic-like
-workload, ``run`` compares startup modes side by side.
+workload, ``run`` compares start-up modes side by side, ``data`` compares
+reads of a shared data file, ``model`` predicts start-up at scale.
 """
 
+import os
 import sys as _sys
 
-VERBS = ("simfs", "unmount", "stats", "generate", "run")
+VERBS = ("simfs", "unmount", "stats", "generate", "run", "data", "model")
 
 
 def main(argv):
@@ -22,6 +24,10 @@ def main(argv):
         from mpistage.bench.generate import cli_generate
 
         return cli_generate(rest)
+    if verb in ("data", "model"):
+        import importlib
+
+        return importlib.import_module(f"mpistage.bench.{verb}").cli(rest)
     from mpistage.bench import simfs
 
     return {
@@ -41,10 +47,23 @@ def run_parser():
         "shared file system.",
     )
     p.add_argument(
+        "--layout",
+        choices=("realistic", "packages"),
+        default="realistic",
+        help="realistic: interpreter, stdlib, venv, mpi4py and mpistage on the "
+        "shared FS (default); packages: only the workload there",
+    )
+    p.add_argument(
+        "--via",
+        choices=("site", "pythonpath"),
+        default="site",
+        help="reach the workload through site-packages (default) or PYTHONPATH",
+    )
+    p.add_argument(
         "--workload",
         action="append",
         default=[],
-        help="numpy, generated (default: both)",
+        help="numpy, generated (default: numpy; with --layout packages, both)",
     )
     p.add_argument("--code", help="custom workload: code every rank runs")
     p.add_argument(
@@ -59,7 +78,13 @@ def run_parser():
         default=4,
         help="emulated nodes (at most one per rank; default 4)",
     )
-    p.add_argument("--modes", default="plain,mpistage,local")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="realistic: floor,plain,mpistage,mpistage-trust,staged-env,local "
+        "(default); packages: plain,mpistage,mpistage-trust,auto,local,"
+        "plain-env,staged-env (default plain,mpistage,local)",
+    )
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--latency", default="0.5ms", help="metadata latency")
     p.add_argument("--cache", action="store_true", help="enable kernel caches")
@@ -91,22 +116,27 @@ def cli_run(argv):
     if reason:
         raise StageError(reason)
     rows = []
+    modes = parse_modes(args.modes, args.layout)
     for workload in workloads(args):
         rows += run_workload(
             workload,
+            layout=args.layout,
+            via=args.via,
             ranks=parse_ranks(args.ranks),
             nodes=args.nodes,
-            modes=parse_modes(args.modes),
+            modes=modes,
             repeat=args.repeat,
             latency=parse_latency(args.latency),
             cache=args.cache,
-            out=args.out,
         )
     meta = {
         "latency": args.latency,
         "nodes": args.nodes,
+        "layout": args.layout,
+        "via": args.via,
         "argv": argv,
         "cache": args.cache,
+        "cores": os.cpu_count(),
     }
     results.write_all(rows, args.out, meta)
     print(results.table(rows))
@@ -125,7 +155,8 @@ def workloads(args):
         for k in ("modules", "extensions")
         if getattr(args, k) is not None
     }
-    return [make(name, sizes=sizes) for name in args.workload or ["numpy", "generated"]]
+    default = ["numpy"] if args.layout == "realistic" else ["numpy", "generated"]
+    return [make(name, sizes=sizes) for name in args.workload or default]
 
 
 def parse_ranks(text):
@@ -143,13 +174,22 @@ def parse_ranks(text):
     return ranks
 
 
-def parse_modes(text):
-    """Parse ``plain,mpistage,local`` and check each mode exists."""
+DEFAULT_MODES = {
+    "realistic": "floor,plain,mpistage,mpistage-trust,staged-env,local",
+    "packages": "plain,mpistage,local",
+}
+
+
+def parse_modes(text, layout):
+    """Parse ``plain,mpistage,local`` and check each mode exists in *layout*."""
     from mpistage import StageError
     from mpistage.bench.modes import MODES
 
-    modes = [m for m in text.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
+    modes = [m for m in (text or DEFAULT_MODES[layout]).split(",") if m]
+    unknown = [m for m in modes if m not in MODES[layout]]
     if unknown or not modes:
-        raise StageError(f"unknown mode {unknown!r}: choose from {', '.join(MODES)}")
+        raise StageError(
+            f"unknown mode {unknown!r} for the {layout} layout: choose from "
+            f"{', '.join(MODES[layout])}"
+        )
     return modes

@@ -211,8 +211,14 @@ class Bench:
         return [_os.path.join(fs.mountpoint, name) for fs in self.fs]
 
     def reset(self):
-        """Zero the counters of every mount."""
+        """Empty the nodes' client caches, then zero the counters of every mount.
+
+        Each cell starts with cold client caches (as a new job on other nodes
+        would) and a warm server, which keeps the source file in its memory.
+        """
         for fs in self.fs:
+            for name in self.files.values():
+                drop_cache(_os.path.join(fs.mountpoint, name))
             fs.reset()
 
     def stats(self):
@@ -308,6 +314,15 @@ def mount(args, source, mountpoint):
         raise StageError(f"{reason} (or use --local)")
     latency, bandwidth = parse_latency(args.latency), parse_bandwidth(args.bandwidth)
     return SimFS(source, mountpoint, latency=latency, bandwidth=bandwidth).mount()
+
+
+def drop_cache(path):
+    """Drop the page cache of the file at *path* (clean pages: no data lost)."""
+    fd = _os.open(path, _os.O_RDONLY)
+    try:
+        _os.posix_fadvise(fd, 0, 0, _os.POSIX_FADV_DONTNEED)
+    finally:
+        _os.close(fd)
 
 
 def make_npy(path, size):

@@ -63,16 +63,39 @@ def base_python():
     return cfg.get("executable") or _sys.executable
 
 
+def env_bundle(bench):
+    """Once per bench: an environment bundle on the shared FS; its mount path.
+
+    The realistic layout packs its own venv (base interpreter included); the
+    packages layout packs a small venv of copies. Untimed.
+    """
+    target = _os.path.join(bench.source, "bundles", "env.mpistage")
+    if not _os.path.exists(target):
+        _os.makedirs(_os.path.dirname(target), exist_ok=True)
+        if bench.layout.name == "realistic":
+            prefix = bench.layout.mounted(bench.layout.venv)
+        else:
+            prefix = small_env(_os.path.join(bench.work, "small-env"))
+        mpistage(["pack", "--env", prefix, "-o", target])
+    return bench.layout.mounted(target)
+
+
 def shared_env(bench):
-    """Once per bench: an environment bundle, and its relocated copy, on the
-    shared FS (``bundles/env.mpistage`` and ``env/``). Untimed."""
-    bundle = _os.path.join(bench.source, "bundles", "env.mpistage")
-    if _os.path.exists(bundle):
-        return
-    _os.makedirs(_os.path.dirname(bundle), exist_ok=True)
-    prefix = small_env(_os.path.join(bench.work, "small-env"))
-    run = [_sys.executable, "-m", "mpistage"]
-    quiet = {"stdout": _subprocess.DEVNULL, "stderr": _subprocess.DEVNULL}
-    _subprocess.run(run + ["pack", "--env", prefix, "-o", bundle], check=True, **quiet)
+    """Once per bench: the environment bundle staged onto the shared FS.
+
+    Returns the mount path of that relocated copy (``env/``). Untimed.
+    """
     target = _os.path.join(bench.source, "env")
-    _subprocess.run(run + ["stage", bundle, "--to", target], check=True, **quiet)
+    if not _os.path.exists(target):
+        env_bundle(bench)
+        bundle = _os.path.join(bench.source, "bundles", "env.mpistage")
+        mpistage(["stage", bundle, "--to", target])
+    return bench.layout.mounted(target)
+
+
+def mpistage(args):
+    """Run an mpistage command with this Python, quietly; fail loudly."""
+    run = [_sys.executable, "-m", "mpistage", *args]
+    done = _subprocess.run(run, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args[:2])} failed:\n{done.stderr}")

@@ -3,9 +3,9 @@
 import os as _os
 import statistics as _statistics
 
-from mpistage.bench.run import COLUMNS
+from mpistage.bench.run import COLUMNS, FIGURES
 
-KEY = ("workload", "mode", "ranks", "nodes")
+KEY = ("workload", "layout", "via", "mode", "ranks", "nodes")
 
 
 def write_all(rows, out, meta):
@@ -38,26 +38,30 @@ def medians(rows):
     merged = []
     for key, group in groups.items():
         row = dict(zip(KEY, key, strict=True))
-        for col in COLUMNS[5:]:
+        for col in FIGURES:
             row[col] = _statistics.median(r[col] for r in group)
         merged.append(row)
-    return sorted(merged, key=lambda r: (r["workload"], r["ranks"], r["mode"]))
+    return sorted(
+        merged, key=lambda r: (r["workload"], r["layout"], r["ranks"], r["mode"])
+    )
 
 
 def table(rows):
-    """Return the medians as a markdown table."""
+    """Return the medians as a markdown table: time and metadata ops per rank."""
     lines = [
-        "| workload | ranks | nodes | mode | total s | start s | import s "
-        "| stage s | metadata ops | busiest rank | MB read |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | layout | ranks | nodes | mode | total s | stage s "
+        "| ops rank 0 | ops other ranks (median / max) | ops per node, stage step "
+        "| MB read |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in medians(rows):
+        layout = r["layout"] + (" (PYTHONPATH)" if r["via"] == "pythonpath" else "")
         lines.append(
-            f"| {r['workload']} | {r['ranks']} | {r['nodes']} | {r['mode']} "
-            f"| {r['total_s']:.2f} | {r['start_s']:.2f} | {r['import_s']:.2f} "
-            f"| {r['stage_s']:.2f} | {r['meta_ops']:.0f} "
-            f"| {r['meta_ops_rank_max']:.0f} "
-            f"| {r['bytes_read'] / 1e6:.1f} |"
+            f"| {r['workload']} | {layout} | {r['ranks']} | {r['nodes']} "
+            f"| {r['mode']} | {r['total_s']:.2f} | {r['stage_s']:.2f} "
+            f"| {r['ops_rank0']:.0f} "
+            f"| {r['ops_rank_median']:.0f} / {r['ops_rank_max']:.0f} "
+            f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / 1e6:.1f} |"
         )
     return "\n".join(lines)
 
@@ -85,14 +89,14 @@ def plot(rows, path, meta):
             "label": f"{workload} / {mode}",
         }
         left.plot(ranks, [p["total_s"] for p in points], **style)
-        right.plot(ranks, [max(p["meta_ops"], 1) for p in points], **style)
+        right.plot(ranks, [max(p["ops_rank_max"], 1) for p in points], **style)
     decorate(left, "time until all ranks imported (s)")
-    decorate(right, "shared-FS metadata ops, all ranks (0 as 1)")
+    decorate(right, "shared-FS metadata ops, busiest rank (0 as 1)")
     left.set_yscale("log")
     right.set_yscale("log")
     fig.suptitle(
-        f"mpistage bench: metadata latency {meta['latency']}, "
-        f"{meta['nodes']} emulated nodes"
+        f"mpistage bench ({meta.get('layout', 'packages')} layout): "
+        f"metadata latency {meta['latency']}, {meta['nodes']} emulated nodes"
     )
     left.legend(fontsize=8)
     fig.tight_layout()

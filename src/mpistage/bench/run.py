@@ -1,27 +1,25 @@
-"""``mpistage bench run``: startup of each mode, side by side, in one run.
+"""``mpistage bench run``: start-up of each mode, side by side, in one run.
 
 For every workload, rank count and mode (interleaved, repeated), it launches
-``mpiexec`` with the workload on the simulated shared file system and
-measures:
+``mpiexec`` with the files on the simulated shared file system, laid out as
+:mod:`mpistage.bench.layout` says, and measures:
 
 - ``total_s``: from launch until all ranks have imported the workload (rank 0
-  takes the time after a barrier that follows every rank's imports);
-- ``start_s``: from launch until the slowest rank began the workload's code,
-  i.e. ``mpiexec`` plus interpreter start (plus staging, for ``mpistage``);
+  takes the time after a barrier that follows every rank's imports); for
+  ``staged-env`` the stage step is included;
+- ``start_s``: from launch until the slowest rank began the workload's code;
 - ``import_s``: the slowest rank's own import time;
-- ``stage_s``: the runner's read + broadcast + stage + activate (``mpistage``);
-- shared-FS metadata operations (all but data reads) in total and for the
-  busiest rank, data reads and bytes read.
-
-The driver puts the workload's root on ``sys.path`` itself, as applications
-that ship their packages do, so interpreter start-up does not search it.
+- ``stage_s``: the runner's read + validate + broadcast + stage + activate,
+  or the stage step's wall time;
+- shared-FS metadata operations (all but data reads): in total, of rank 0,
+  the median and the largest of the other ranks, and the largest per node
+  of a stage step; data reads and bytes read.
 """
 
 import json as _json
 import os as _os
-import subprocess as _subprocess
+import statistics as _statistics
 import sys as _sys
-import time as _time
 
 DRIVER = """\
 import os, sys, time
@@ -41,6 +39,8 @@ if world.rank == 0:
 
 COLUMNS = (
     "workload",
+    "layout",
+    "via",
     "mode",
     "ranks",
     "nodes",
@@ -50,23 +50,28 @@ COLUMNS = (
     "import_s",
     "stage_s",
     "meta_ops",
-    "meta_ops_rank_max",
-    "meta_ops_rank_mean",
+    "ops_rank0",
+    "ops_rank_median",
+    "ops_rank_max",
+    "ops_stage_node",
     "read_ops",
     "bytes_read",
+    "bundle_bytes",
 )
+FIGURES = COLUMNS[7:]
 
 
 class Bench:
     """The places and tools one benchmark run shares between its cells."""
 
-    def __init__(self, out, workload, latency, cache):
+    def __init__(self, workload, layout, via, latency, cache):
         import shutil
         import tempfile
 
+        from mpistage.bench.layout import LAYOUTS
         from mpistage.bench.simfs import SimFS
 
-        self.out, self.workload = out, workload
+        self.workload, self.nodes = workload, 1
         self.work = tempfile.mkdtemp(prefix="mpistage-bench-")
         self.local_dir = tempfile.mkdtemp(
             prefix="mpistage-bench-local-", dir=local_base()
@@ -81,6 +86,7 @@ class Bench:
         self.mpiexec = mpiexec if _os.path.exists(mpiexec) else shutil.which("mpiexec")
         _os.makedirs(self.source_site)
         _os.makedirs(self.mount)
+        self.layout = LAYOUTS[layout](self, via)
         self.fs = SimFS(self.source, self.mount, latency=latency, cache=cache)
 
     def run_cell(self, mode, ranks, nodes):
@@ -106,55 +112,65 @@ def run_cell(bench, mode, ranks, nodes):
     for path in (bench.result_path, bench.report_path):
         if _os.path.exists(path):
             _os.unlink(path)
-    env = dict(
-        _os.environ,
-        MPISTAGE_BENCH_RESULT=bench.result_path,
-        PYTHONDONTWRITEBYTECODE="1",
-        **mode.env(bench, nodes),
-    )
-    site = mode.site(bench)
+    site = mode.driver_site(bench)
     path_line = f"sys.path.insert(0, {site!r})" if site else ""
-    code = DRIVER.format(code=bench.workload.code, path_line=path_line)
-    bench.fs.reset()
-    start = _time.time()
-    done = _subprocess.run(
-        mode.command(bench, ranks, code),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if done.returncode:
-        raise RuntimeError(f"{mode.name} at {ranks} ranks failed:\n{done.stderr}")
-    row = measure(bench, mode, start, bench.fs.stats())
+    code = "" if mode.empty else bench.workload.code
+    driver = DRIVER.format(code=code, path_line=path_line)
+    start, stats, extra = mode.launch(bench, ranks, nodes, driver)
+    row = measure(bench, start, stats, extra, nodes)
     mode.after(bench)
     return row
 
 
-def measure(bench, mode, start, stats):
-    """Turn one cell's driver result, runner report and FS stats into a row."""
+def measure(bench, start, stats, extra, nodes):
+    """Turn one cell's driver result and shared-FS stats into a row."""
     with open(bench.result_path) as f:
         result = _json.load(f)
-    ranks = result["ranks"]
-    per_pid = stats.get("per_pid", {})
-    rank_ops = [meta_ops(per_pid.get(str(pid), {})) for _, pid, _, _ in ranks]
+    ranks = sorted(result["ranks"])
+    ops = per_rank_ops(stats, ranks)
+    others = ops[1:] or ops
+    stage = stats.get("stage", {})
     return {
         "total_s": result["t_all"] - start,
         "start_s": max(r[2] for r in ranks) - start,
         "import_s": max(r[3] - r[2] for r in ranks),
-        "stage_s": mode.stage_seconds(bench),
-        "meta_ops": meta_ops(stats),
-        "meta_ops_rank_max": max(rank_ops),
-        "meta_ops_rank_mean": sum(rank_ops) / len(rank_ops),
-        "read_ops": stats.get("ops", {}).get("read", 0),
-        "bytes_read": stats.get("bytes", 0),
+        "stage_s": extra.get("stage_s", 0.0),
+        "meta_ops": meta_ops(stats) + meta_ops(stage),
+        "ops_rank0": ops[0],
+        "ops_rank_median": _statistics.median(others),
+        "ops_rank_max": max(others),
+        "ops_stage_node": max(
+            map(meta_ops, stage.get("per_pid", {}).values()), default=0
+        ),
+        "read_ops": read_ops(stats) + read_ops(stage),
+        "bytes_read": stats.get("bytes", 0) + stage.get("bytes", 0),
+        "bundle_bytes": bundle_bytes(bench),
     }
+
+
+def per_rank_ops(stats, ranks):
+    """Return the metadata operations of each rank, in rank order."""
+    per_pid = stats.get("per_pid", {})
+    return [meta_ops(per_pid.get(str(pid), {})) for _, pid, _, _ in ranks]
 
 
 def meta_ops(counts):
     """Return the metadata operations (all but data reads) in *counts*."""
     ops = counts.get("ops", {})
     return sum(ops.values()) - ops.get("read", 0)
+
+
+def read_ops(counts):
+    """Return the data reads in *counts*."""
+    return counts.get("ops", {}).get("read", 0)
+
+
+def bundle_bytes(bench):
+    """Return the size of the bundle the runner staged in the last cell, if any."""
+    if not _os.path.exists(bench.report_path):
+        return 0
+    with open(bench.report_path) as f:
+        return _json.load(f).get("bundle_bytes", 0)
 
 
 def cells(ranks_list, nodes, modes, repeat):
@@ -166,29 +182,37 @@ def cells(ranks_list, nodes, modes, repeat):
                 yield rep, ranks, min(nodes, ranks), mode
 
 
-def run_workload(workload, *, ranks, nodes, modes, repeat, latency, cache, out):
+def run_workload(workload, *, layout, via, ranks, nodes, modes, repeat, latency, cache):
     """Run every cell of one workload; return the rows."""
     from mpistage.bench.modes import MODES
 
-    bench = Bench(out, workload, latency, cache)
+    bench = Bench(workload, layout, via, latency, cache)
     rows = []
     try:
-        progress(f"[{workload.name}] building the workload on the shared FS")
-        workload.build(bench.source_site)
+        progress(f"[{workload.name}] laying out the {layout} layout on the shared FS")
+        bench.layout.build(workload)
         bench.fs.mount()
-        chosen = [MODES[m]() for m in modes]
+        chosen = [MODES[layout][m]() for m in modes]
         for mode in chosen:
+            progress(f"[{workload.name}] preparing {mode.name}")
             mode.prepare(bench)
         plan = list(cells(ranks, nodes, chosen, repeat))
         for i, (rep, n, k, mode) in enumerate(plan, 1):
             row = run_cell(bench, mode, n, k)
             row.update(
-                workload=workload.name, mode=mode.name, ranks=n, nodes=k, repeat=rep
+                workload=workload.name,
+                layout=layout,
+                via=via,
+                mode=mode.name,
+                ranks=n,
+                nodes=k,
+                repeat=rep,
             )
             rows.append(row)
             progress(
-                f"[{workload.name}] {i}/{len(plan)} {mode.name:9} {n:3} ranks "
-                f"{k} nodes: {row['total_s']:.2f} s, {row['meta_ops']} metadata ops"
+                f"[{workload.name}] {i}/{len(plan)} {mode.name:14} {n:3} ranks "
+                f"{k} nodes: {row['total_s']:.2f} s, ops rank 0 {row['ops_rank0']}, "
+                f"others {row['ops_rank_median']:.0f} (max {row['ops_rank_max']})"
             )
     finally:
         bench.close()

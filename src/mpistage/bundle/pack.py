@@ -152,10 +152,14 @@ def add_stdlib(selection):
 
 
 def add_listings(selection):
-    """Register every directory on ``sys.path`` as a root, for its listing."""
+    """Register every directory on ``sys.path`` as a root, for its listing.
+
+    ``sys.path[0]`` is the directory of ``mpistage`` itself here, not the
+    program's: it is left out.
+    """
     import sys
 
-    for entry in sys.path:
+    for entry in sys.path[1:]:
         path = _os.path.abspath(entry or ".")
         if entry and _os.path.isdir(path):
             selection.index(path)

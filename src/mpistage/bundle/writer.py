@@ -102,14 +102,24 @@ def write(output, selection, fields):
     with Writer(output) as writer:
         for index, rel, path, data in selection.records():
             writer.add(index, rel, path, data, rel in owned[index])
+            if incomplete(selection, index, path):
+                writer.members[-1]["partial"] = True
         for index, rel, target in selection.links:
             writer.add_link(index, rel, target)
         return writer.finish(manifest)
 
 
+def incomplete(selection, index, path):
+    """Whether the directory *path* has entries the selection left out."""
+    if _os.path.islink(path) or not _os.path.isdir(path):
+        return False
+    taken = selection.files[selection.paths[index]]
+    return any(_os.path.join(path, name) not in taken for name in _os.listdir(path))
+
+
 def root_entry(selection, root):
     """Describe a root for the manifest: path, listing, distributions."""
-    from mpistage.runtime.roots import listing
+    from mpistage.runtime.roots import in_stdlib, listing
 
     entry = {"path": root, "listing": listing(root) if _os.path.isdir(root) else []}
     if root in selection.dest:
@@ -117,8 +127,17 @@ def root_entry(selection, root):
     dists, owned = distributions(root, selection.files[root])
     if dists:
         entry["dists"] = dists
+    if in_stdlib(root):
+        entry["stdlib"] = stamp(root)
     entry["_owned"] = owned
     return entry
+
+
+def stamp(root):
+    """The identity of a standard library root: its ``os.py``, or itself."""
+    name = "os.py" if _os.path.exists(_os.path.join(root, "os.py")) else "."
+    st = _os.stat(_os.path.join(root, name))
+    return [name, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def distributions(root, files):
@@ -126,12 +145,10 @@ def distributions(root, files):
     from mpistage.runtime.roots import METADATA_SUFFIXES
 
     dists, owned = {}, set()
-    for path in files:
-        name = _os.path.relpath(path, root)
-        record = _os.path.join(path, "RECORD")
-        if "/" in name or not name.endswith(METADATA_SUFFIXES):
-            continue
-        if not _os.path.isfile(record):
+    tops = {_os.path.relpath(path, root).split(_os.sep, 1)[0] for path in files}
+    for name in sorted(tops):
+        record = _os.path.join(root, name, "RECORD")
+        if not name.endswith(METADATA_SUFFIXES) or not _os.path.isfile(record):
             continue
         st = _os.stat(record)
         dists[name] = [st.st_ino, st.st_size, st.st_mtime_ns]

@@ -26,10 +26,27 @@ import sys as _sys
 class StagedFinder:
     """The path entry finder of one bundled root: staged copy, then original."""
 
-    def __init__(self, original, staged, names, unbundled_dists):
+    def __init__(self, original, staged, names, unbundled_dists, partial=()):
         self.path, self.staged, self.names = original, staged, names
-        self.unbundled_dists = unbundled_dists
+        self.unbundled_dists, self.partial = unbundled_dists, frozenset(partial)
         self._finders = {}
+
+    def below(self, path):
+        """Return the finder of a directory *path* inside this root, or ``None``.
+
+        Packages imported before activation keep their original ``__path__``;
+        their submodules are served from the staged copy all the same. A
+        directory the bundle holds whole answers absent names itself; one it
+        holds in part falls back to the original.
+        """
+        if self.staged is None or not path.startswith(self.path + _os.sep):
+            return None
+        rel = path[len(self.path) + 1 :]
+        inside = _os.path.join(self.staged, rel)
+        if not _os.path.isdir(inside):
+            return None
+        names = None if rel in self.partial else frozenset()
+        return StagedFinder(path, inside, names, False)
 
     def metadata_paths(self):
         """Where ``importlib.metadata`` looks for this root's distributions."""
@@ -86,9 +103,11 @@ class StagedHook:
         self.finders, self.partial = finders, partial or {}
 
     def __call__(self, path):
-        """Return the finder of *path* if it is a bundled root or partial."""
+        """Return the finder of *path*: a bundled root, a directory in one, a copy."""
         path = _os.path.abspath(path or ".")
         finder = self.finders.get(path) or self.partial.get(path)
+        for root in self.finders.values():
+            finder = finder or root.below(path)
         if finder is None:
             raise ImportError("not a bundled root", path=path)
         return finder
@@ -162,8 +181,9 @@ def finders_of(staged):
         path, listing = entry["path"], entry.get("listing", [])
         copy = _os.path.join(staged.path, dest) if index in held else None
         extra = copy is None or unbundled_dists(listing, copy)
-        finders[path] = StagedFinder(path, copy, module_names(listing), extra)
-        for rel in partial_dirs(manifest, index):
+        part = partial_dirs(manifest, index)
+        finders[path] = StagedFinder(path, copy, module_names(listing), extra, part)
+        for rel in part:
             inside, original = _os.path.join(copy, rel), _os.path.join(path, rel)
             partial[inside] = StagedFinder(original, inside, None, False)
     return finders, partial
@@ -183,9 +203,11 @@ def activate(staged):
 
 
 def forget(finders):
-    """Drop cached path finders of bundled roots, so the hook is asked again."""
+    """Drop cached path finders of bundled roots and of directories inside them."""
+    roots = tuple(root + _os.sep for root in finders)
     for path in list(_sys.path_importer_cache):
-        if _os.path.abspath(path or ".") in finders:
+        full = _os.path.abspath(path or ".")
+        if full in finders or full.startswith(roots):
             del _sys.path_importer_cache[path]
 
 

@@ -43,12 +43,12 @@ def target_path0(args):
 
 def key(args):
     """Return the cache key of running *args* with this Python and sys.path."""
-    import hashlib
+    from mpistage.runtime.format import sha256
 
     target = args[1] if args[0] in ("-c", "-m") else _os.path.abspath(args[0])
     path = [target_path0(args)] + [_os.path.abspath(p or ".") for p in _sys.path[1:]]
     parts = [_os.path.abspath(_sys.executable), _sys.version, *path, args[0], target]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    return sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
 def bundle_path(args, folder=None):

@@ -20,8 +20,8 @@ Roots that survive even this (a node that crashed) are removed by
 ``mpistage clean``.
 """
 
+import _signal
 import os as _os
-import signal as _signal
 
 WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
 SIGNALS = ("SIGTERM", "SIGHUP")

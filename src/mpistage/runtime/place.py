@@ -63,11 +63,12 @@ class Root:
 # -- the one rule for safe directories ------------------------------------------
 
 
-def open_safe(path):
-    """Open the existing directory *path* safely; return (resolved path, fd).
+def open_safe(path, create=False):
+    """Open the directory *path* safely; return (resolved path, fd).
 
     Both the path as given and the path it resolves to must pass
     :func:`check_ancestor`; a symlink on the way must be ours or root's.
+    With *create*, missing components are created, mode 0700.
     """
     path = _os.path.abspath(path)
     check_given(path)
@@ -78,7 +79,8 @@ def open_safe(path):
         done = ""
         for part in real.split("/")[1:]:
             done += "/" + part
-            fd = step_into(fd, part, done)
+            fd, old = step_into(fd, part, done, create), fd
+            _os.close(old)
             check_ancestor(_os.fstat(fd), done)
     except BaseException:
         _os.close(fd)
@@ -86,16 +88,18 @@ def open_safe(path):
     return real, fd
 
 
-def step_into(fd, name, path):
-    """Open the directory *name* below *fd* without following a symlink."""
+def step_into(fd, name, path, create=False):
+    """Open (or with *create*, make) the directory *name* below *fd*, no symlink."""
+    if create:
+        try:
+            _os.mkdir(name, 0o700, dir_fd=fd)
+        except FileExistsError:
+            pass
     try:
-        child = _os.open(name, DIR_FLAGS, dir_fd=fd)
+        return _os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         reason = "is a symlink" if _os.path.islink(path) else exc.strerror.lower()
         raise StageError(f"cannot use {path!r}: {reason}") from None
-    finally:
-        _os.close(fd)
-    return child
 
 
 def check_given(path):
@@ -248,7 +252,7 @@ def target_dir(path):
     parent, name = _os.path.split(path)
     if not name:
         raise StageError(f"{path!r} is not a directory one can stage into")
-    real_parent, parent_fd = open_safe(parent)
+    real_parent, parent_fd = open_safe(parent, create=True)
     try:
         fd = own_dir(parent_fd, name, path, tighten=False)
         check_ancestor(_os.fstat(fd), path)

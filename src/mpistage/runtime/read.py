@@ -80,14 +80,14 @@ def check_kind(manifest, kind, path):
 
 def verify(buf, manifest, path):
     """Check every file member's SHA-256 against the manifest."""
-    import hashlib
+    from mpistage.runtime.format import sha256
 
     view = memoryview(buf)
     for member in manifest["members"]:
         if member["type"] != "file":
             continue
         data = view[member["offset"] : member["offset"] + member["size"]]
-        if hashlib.sha256(data).hexdigest() != member.get("sha256"):
+        if sha256(data).hexdigest() != member.get("sha256"):
             raise StageError(
                 f"bundle {path!r} is corrupt: checksum mismatch in {member['rel']!r}"
             )

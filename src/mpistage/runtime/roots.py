@@ -84,14 +84,16 @@ def partial_dirs(manifest, index):
     """Return the directories of root *index* that the bundle holds in part.
 
     A directory the bundle holds whole is a member of its own; one that only
-    leads to file members (``--granularity file``) is not.
+    leads to file members (``--granularity file``) is not, and one with
+    entries left out (``--exclude``, test directories) is marked ``partial``.
     """
     whole, parents = set(), set()
     for member in manifest["members"]:
         if member["root"] != index:
             continue
         if member["type"] == "dir":
-            whole.add(member["rel"])
+            if not member.get("partial"):
+                whole.add(member["rel"])
         else:
             rel = _os.path.dirname(member["rel"])
             while rel and rel not in parents:

@@ -4,18 +4,24 @@ Rank 0 alone runs this, after reading the bundle and before the broadcast,
 so the originals are looked at once per job, never once per rank. Its cost
 is O(distributions + directories), not O(files), in the default mode:
 
-- ``default``: each root's module names (one directory read), each bundled
+- ``default``: each bundled
   distribution's identity (inode, size and mtime of its ``RECORD``), each
   bundled directory's mtime (a file added, removed or replaced changes it),
   and the size and mtime of every file that no installed distribution owns
   (the user's own source, ``--path`` trees). pip and conda replace files and
   directories; they never edit a file in place, so a distribution whose
-  ``RECORD`` and directories are unchanged is unchanged;
+  ``RECORD`` and directories are unchanged is unchanged. The standard
+  library changes only with the interpreter: its roots are checked by their
+  listing and the identity of ``os.py`` (``lib-dynload``: of the directory);
 - ``files``: the size and mtime of every file too;
 - ``strict``: also every file's SHA-256, which catches a change that kept
   size and mtime;
 - ``trust`` (``--trust``): no check at all.
 
+In every mode but ``trust``, each root's listing is read again and the
+manifest's copy replaced before it is broadcast, so a module added next to
+the bundled ones (or a directory a job created beside its script) is found
+where it is, not reported absent, and does not make the bundle stale.
 Bytecode in ``__pycache__`` is never compared: Python writes there as it
 runs, and a cached file is only used when its source is unchanged.
 Directories are looked up relative to the root's open descriptor, so a
@@ -46,31 +52,51 @@ def changed(manifest, mode="default", limit=3):
 def changed_in_root(manifest, index, mode, limit):
     """Return the changed paths of root *index*."""
     root = manifest["roots"][index]
+    held = any(m["root"] == index for m in manifest["members"])
     try:
         fd = _os.open(root["path"], _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC)
     except OSError:
-        return [root["path"]]
+        root["listing"] = []
+        return [root["path"]] if held else []
     try:
-        if listing_changed(fd, root):
+        refresh_listing(fd, root)
+        if stamp_changed(fd, root):
             return [root["path"]]
+        if root.get("stdlib") and mode == "default":
+            return []
         found = [d for d in changed_dists(fd, root)][:limit]
-        for member in members_to_check(manifest, index, mode):
-            if len(found) >= limit:
-                break
-            if member_changed(fd, member, mode == "strict"):
-                found.append(root["path"] + "/" + member["rel"])
+        dirs = PathFds(fd)
+        try:
+            for member in members_to_check(manifest, index, mode):
+                if len(found) >= limit:
+                    break
+                if member_changed(fd, member, mode == "strict", dirs):
+                    found.append(root["path"] + "/" + member["rel"])
+        finally:
+            dirs.close()
         return found
     finally:
         _os.close(fd)
 
 
-def listing_changed(fd, root):
-    """Whether the module names the root provides differ from the recorded ones."""
-    from mpistage.runtime.roots import module_names
-
+def refresh_listing(fd, root):
+    """Replace the root's recorded listing with what it holds now."""
     with _os.scandir(fd) as entries:
-        now = [e.name + "/" if e.is_dir() else e.name for e in entries]
-    return module_names(now) != module_names(root.get("listing", []))
+        root["listing"] = sorted(
+            e.name + "/" if e.is_dir() else e.name for e in entries
+        )
+
+
+def stamp_changed(fd, root):
+    """Whether a standard library root's identity file changed."""
+    if not root.get("stdlib"):
+        return False
+    name, *identity = root["stdlib"]
+    try:
+        st = _os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return True
+    return [st.st_ino, st.st_size, st.st_mtime_ns] != identity
 
 
 def changed_dists(fd, root):
@@ -94,10 +120,14 @@ def members_to_check(manifest, index, mode):
             yield member
 
 
-def member_changed(fd, member, strict):
+def member_changed(fd, member, strict, dirs=None):
     """Whether one member changed (missing counts as changed)."""
     try:
-        st = _os.stat(member["rel"], dir_fd=fd, follow_symlinks=False)
+        st = (
+            dirs.stat(member["rel"])
+            if dirs
+            else _os.stat(member["rel"], dir_fd=fd, follow_symlinks=False)
+        )
     except OSError:
         return True
     if member["type"] == "dir":
@@ -109,11 +139,44 @@ def member_changed(fd, member, strict):
     return strict and digest(fd, member["rel"]) != member.get("sha256")
 
 
+class PathFds:
+    """``O_PATH`` descriptors of a root's directories, each looked up once.
+
+    A stat relative to its parent's descriptor costs one lookup and one
+    getattr on the shared file system, however deep the directory.
+    """
+
+    FLAGS = getattr(_os, "O_PATH", _os.O_RDONLY) | _os.O_DIRECTORY | _os.O_CLOEXEC
+
+    def __init__(self, root_fd):
+        self.fds = {"": root_fd}
+        self.own = []
+
+    def fd(self, rel):
+        """Return a descriptor of the directory *rel* below the root."""
+        if rel not in self.fds:
+            parent, _, name = rel.rpartition("/")
+            fd = _os.open(name, self.FLAGS | _os.O_NOFOLLOW, dir_fd=self.fd(parent))
+            self.fds[rel] = fd
+            self.own.append(fd)
+        return self.fds[rel]
+
+    def stat(self, rel):
+        """``lstat`` *rel*, relative to its parent's descriptor."""
+        parent, _, name = rel.rpartition("/")
+        return _os.stat(name, dir_fd=self.fd(parent), follow_symlinks=False)
+
+    def close(self):
+        """Close the descriptors this opened."""
+        for fd in self.own:
+            _os.close(fd)
+
+
 def digest(fd, rel):
     """Return the SHA-256 of the file *rel* below the directory *fd*."""
-    import hashlib
+    from mpistage.runtime.format import sha256
 
-    sha = hashlib.sha256()
+    sha = sha256()
     with open(_os.open(rel, _os.O_RDONLY | _os.O_CLOEXEC, dir_fd=fd), "rb") as f:
         while chunk := f.read(1 << 20):
             sha.update(chunk)

@@ -24,6 +24,8 @@ from mpistage.bundle import elfdeps
 from mpistage.runtime import format as bundle_format
 from mpistage.runtime.roots import destinations
 from stagetools import (
+    MPIEXEC,
+    PYTHON,
     clean_environ,
     flip_byte,
     job_dirs,
@@ -520,3 +522,33 @@ def test_clean_refuses_a_dir_without_the_marker(tmp_path):
     assert "not a stage made by `mpistage stage`" in result.errors()[0]
     assert (target / "data.txt").read_text() == "keep me\n"
     assert result.stdout == ""
+
+
+RUN_CODE = (
+    "import sys, numpy; from mpi4py import MPI; r = MPI.COMM_WORLD.rank; "
+    "open(f'{sys.argv[2]}/rank{r}', 'w').write(f'{sys.executable} {numpy.__file__}'); "
+    "MPI.COMM_WORLD.Barrier(); sys.exit(int(sys.argv[1]) if r == 1 else 0)"
+)
+
+
+@pytest.mark.parametrize("status", [0, 5])
+def test_run_stages_runs_and_cleans(env_bundle, tmp_path, status):
+    folder = tmp_path / "run" / "n{node}"
+    env = dict(clean_environ(), MPISTAGE_EMULATE_NODES="2")
+    command = [MPIEXEC, "-n", "4", PYTHON, "-c", RUN_CODE, str(status), tmp_path]
+    args = ["run", "--env", env_bundle, "--to", folder, "--", *command]
+    result = mpistage(args, env, cwd=tmp_path, timeout=120)
+    assert result.returncode == status, result
+    for rank in range(4):
+        executable, numpy_file = (tmp_path / f"rank{rank}").read_text().split()
+        node = tmp_path / "run" / f"n{rank * 2 // 4}"
+        assert Path(executable).is_relative_to(node), (rank, executable)
+        assert Path(numpy_file).is_relative_to(node), (rank, numpy_file)
+    assert not (tmp_path / "run").exists()  # cleaned on every node
+
+
+def test_run_refuses_a_command_without_python(env_bundle, tmp_path):
+    command = [MPIEXEC, "-n", "2", "hostname"]
+    result = mpistage(["run", "--env", env_bundle, "--", *command], clean_environ())
+    assert result.returncode == 1, result
+    assert result.stderr.startswith("mpistage: error: no python in the command")

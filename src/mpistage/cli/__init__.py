@@ -15,6 +15,7 @@ TOOLS = {
     "record": "mpistage.cli.record",
     "inspect": "mpistage.cli.inspect",
     "clean": "mpistage.cli.clean",
+    "run": "mpistage.cli.run",
     "bench": "mpistage.bench.cli",
 }
 COMMANDS = ("stage", *TOOLS)

@@ -13,8 +13,28 @@ from mpistage import StageError
 
 
 def clean(folder=None, dry_run=False):
-    """Remove (or, with *dry_run*, list) stale roots, or the stage in *folder*."""
-    return clean_stage(folder, dry_run) if folder else clean_roots(dry_run)
+    """Remove (or, with *dry_run*, list) stale roots, or the stage in *folder*.
+
+    ``{node}`` in *folder* stands for each of ``MPISTAGE_EMULATE_NODES``
+    emulated nodes, which share this machine.
+    """
+    if not folder:
+        return clean_roots(dry_run)
+    if "{node}" not in folder:
+        return clean_stage(folder, dry_run)
+    count = int(_os.environ.get("MPISTAGE_EMULATE_NODES") or 1)
+    found = []
+    for node in range(count):
+        path = folder.replace("{node}", str(node))
+        if _os.path.isdir(path):
+            found += clean_stage(path, dry_run)
+    parent = _os.path.dirname(folder.replace("{node}", "0"))
+    if "{node}" not in _os.path.dirname(folder) and not dry_run:
+        try:
+            _os.rmdir(parent)  # The parent the stage step made, now empty.
+        except OSError:
+            pass
+    return found
 
 
 def clean_roots(dry_run=False):

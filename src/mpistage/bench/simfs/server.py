@@ -128,6 +128,7 @@ class _Pipe:
 
 
 _STAT_FIELDS = (
+    "st_ino",
     "st_mode",
     "st_nlink",
     "st_uid",
@@ -378,6 +379,7 @@ def mount_options(cache=False):
         "negative_timeout": timeout,
         "max_threads": MAX_THREADS,
         "max_idle_threads": MAX_THREADS,
+        "use_ino": True,  # the source's inode numbers, stable across mounts
     }
     if cache:
         options["kernel_cache"] = True

@@ -287,7 +287,13 @@ class MirrorOps:
         with os.scandir(self._real(path)) as it:
             for entry in it:
                 if entry.name not in hidden:
-                    entries.append((entry.name, {"st_mode": _entry_mode(entry)}, 0))
+                    entries.append(
+                        (
+                            entry.name,
+                            {"st_mode": _entry_mode(entry), "st_ino": entry.inode()},
+                            0,
+                        )
+                    )
         return entries
 
     def init_with_config(self, conn, config):

@@ -135,6 +135,12 @@ def job_dirs(candidate):
 # which is more robust than parsing interleaved stdout of several ranks.
 EMIT = """\
 import json as _json, os as _os
+def where(module):
+    # The file a module was read from: a module of a tree no distribution owns
+    # keeps its original __file__ and is read from the staged copy.
+    loader = getattr(module, "__loader__", None)
+    path = module.__file__
+    return loader.staged_path(path) if hasattr(loader, "staged_path") else path
 def emit(data):
     rank = _os.environ.get("PMI_RANK", "plain")
     out = _os.path.join(_os.environ["MPISTAGE_TEST_OUT"], rank + ".json")
@@ -234,7 +240,26 @@ def make_site(site):
     blob = bytes((i * 7919 + 13) % 251 for i in range(10_000))
     (pkg / "blob.bin").write_bytes(blob)
     (site / "othermod.py").write_text("OTHER = 'not bundled'\n")
+    install_record(site, "tinypkg", "1.0")
     return site
+
+
+def install_record(site, name, version):
+    """Make *name* in *site* an installed distribution: a dist-info with RECORD.
+
+    Files a distribution owns are served with their staged paths; trees no
+    distribution owns keep their original ``__file__`` (docs/usage.md).
+    """
+    site = Path(site)
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    )
+    files = sorted(p for p in (site / name).rglob("*") if p.is_file())
+    lines = [f"{p.relative_to(site)},," for p in files]
+    lines += [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(lines) + "\n")
 
 
 def rewrite_manifest(src, dst, edit):

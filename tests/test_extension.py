@@ -42,7 +42,7 @@ import extpkg, extpkg._ext
 maps = sorted({line.split()[-1] for line in open("/proc/self/maps")
                if "libextutil" in line})
 emit({"rank": MPI.COMM_WORLD.rank, "ext": extpkg._ext.__file__,
-      "pkg": extpkg.__file__, "value": extpkg.triple(14), "maps": maps})
+      "pkg": where(extpkg), "value": extpkg.triple(14), "maps": maps})
 """
 
 

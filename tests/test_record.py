@@ -50,8 +50,8 @@ import {WORKLOAD}, {WORKLOAD}.driver
 summary = {WORKLOAD}.driver.main()
 line = json.dumps({{"summary": summary, "argv": sys.argv[1:]}}, sort_keys=True)
 print(line)
-emit({{"line": line, "file": {WORKLOAD}.__file__,
-       "driver": {WORKLOAD}.driver.__file__}})
+emit({{"line": line, "file": where({WORKLOAD}),
+       "driver": where({WORKLOAD}.driver)}})
 """
 
 
@@ -140,11 +140,11 @@ rank = MPI.COMM_WORLD.rank
 import common
 if rank % 2:
     import oddonly
-    name = oddonly.__file__
+    name = where(oddonly)
 else:
     name = None
 print("rank", rank, common.VALUE)
-emit({"rank": rank, "common": common.__file__, "odd": name})
+emit({"rank": rank, "common": where(common), "odd": name})
 """
 
 
@@ -191,7 +191,7 @@ def test_record_under_mpiexec_takes_every_rank(tmp_path, stage_env, stage_dir):
 NSP_APP = """
 import nsp.a, nsp.b
 print(nsp.a.A, nsp.b.B)
-emit({"a": nsp.a.__file__, "b": nsp.b.__file__, "path": list(nsp.__path__)})
+emit({"a": where(nsp.a), "b": where(nsp.b), "path": list(nsp.__path__)})
 """
 
 
@@ -237,7 +237,7 @@ def editable_pth(tmp_path):
 ED_APP = """
 import edpkg
 print(edpkg.WHERE)
-emit({"file": edpkg.__file__})
+emit({"file": where(edpkg)})
 """
 
 
@@ -268,8 +268,8 @@ rank = MPI.COMM_WORLD.rank
 late = None
 if rank > 0:
     import mypkg.late
-    late = mypkg.late.__file__
-emit({"rank": rank, "early": mypkg.early.__file__, "late": late})
+    late = where(mypkg.late)
+emit({"rank": rank, "early": where(mypkg.early), "late": late})
 """
 
 

@@ -3,14 +3,17 @@
 Rank 0 checks the originals before the broadcast; a stale bundle ends the
 job on every rank with one error line, ``--trust`` skips the check,
 ``--validate=strict`` also compares checksums, and ``--auto`` rebuilds a
-stale cached bundle instead of failing.
+stale cached bundle instead of failing. The default check compares files no
+installed distribution owns one by one, and installed distributions by
+their ``RECORD`` and directories.
 """
 
 import os
+import shutil
 
 import pytest
 
-from recordtools import below, need_report, recorded, replay
+from recordtools import need_report, recorded, replay
 from stagetools import (
     job_dirs,
     make_site,
@@ -33,8 +36,9 @@ emit({"text": tinypkg.sub.TEXT, "file": tinypkg.sub.__file__})
 
 @pytest.fixture
 def setup(tmp_path, stage_env):
-    """A site with tinypkg, an app that uses it, and a recorded bundle."""
+    """A site with tinypkg (no distribution owns it), an app, a recorded bundle."""
     site = make_site(tmp_path / "site")
+    shutil.rmtree(site / "tinypkg-1.0.dist-info")
     (tmp_path / "app").mkdir()
     script = write_target(tmp_path / "app" / "app.py", APP)
     env = dict(stage_env, PYTHONPATH=str(site))
@@ -86,7 +90,7 @@ def test_trust_uses_a_stale_bundle(setup, stage_env, stage_dir):
     assert status == {r: 0 for r in range(RANKS)}, result
     for res in results(stage_env, RANKS):
         assert res["text"] == "tiny data"  # the bundled copy, as trusted
-        assert below(res["file"], stage_dir), res
+        assert res["file"] == str(setup["site"] / "tinypkg" / "sub" / "__init__.py")
 
 
 def test_strict_catches_a_change_that_keeps_size_and_mtime(setup, stage_env):
@@ -108,19 +112,44 @@ def test_strict_catches_a_change_that_keeps_size_and_mtime(setup, stage_env):
     expect_stale(result, status, member)
 
 
-def test_new_module_in_a_root_is_stale_other_files_are_not(setup, stage_env):
+def test_new_module_in_a_root_is_found_where_it_is(setup, stage_env):
     site = setup["site"]
-    (site / "results.json").write_text("{}")  # not importable: no effect
-    (site / "notes.txt").write_text("x")
-    result, status = run_bundle(setup)
-    assert result.returncode == 0, result
-    (site / "newmod.py").write_text("NEW = 1\n")  # could shadow an import
-    result, status = run_bundle(setup)
-    expect_stale(result, status, site)
+    (site / "newmod.py").write_text("NEW = 'found'\n")  # after the bundle was made
+    app = write_target(
+        setup["script"].parent / "new.py",
+        "import tinypkg, newmod\nemit([newmod.NEW, newmod.__file__])\n",
+    )
+    env = dict(setup["env"], MPISTAGE_EMULATE_NODES="2")
+    args = ["-m", "mpistage", "--bundle", setup["bundle"], app]
+    result, status = mpirun_status(RANKS, args, env)
+    assert result.returncode == 0, result  # not stale: rank 0 sent a fresh listing
+    for res in results(stage_env, RANKS):
+        assert res == ["found", str(site / "newmod.py")]
+
+
+def test_installed_distribution_is_checked_by_its_record(tmp_path, stage_env):
+    site = make_site(tmp_path / "site")  # tinypkg-1.0.dist-info owns tinypkg
+    bundle = tmp_path / "owned.mpistage"
+    env = dict(stage_env, PYTHONPATH=str(site), MPISTAGE_EMULATE_NODES="2")
+    assert mpistage(["pack", "-o", bundle, "tinypkg"], env).returncode == 0
+    args = ["-m", "mpistage", "--bundle", bundle, "-c", "import tinypkg"]
+    later(site / "tinypkg" / "data.py")  # an edit in place: pip never does this
+    result, status = mpirun_status(2, args, env)
+    assert result.returncode == 0, result  # the default does not look at it
+    result, status = mpirun_status(2, args[:2] + ["--validate=files"] + args[2:], env)
+    assert result.returncode == 1 and "data.py" in result.errors()[0], result
+    record = site / "tinypkg-1.0.dist-info" / "RECORD"
+    record.write_text(record.read_text())  # a reinstall rewrites RECORD
+    result, status = mpirun_status(2, args, env)
+    assert result.returncode == 1, result
+    assert (
+        "tinypkg-1.0.dist-info" in result.errors()[0] and "stale" in result.errors()[0]
+    )
 
 
 def test_auto_rebuilds_a_stale_cached_bundle(tmp_path, stage_env):
     site = make_site(tmp_path / "site")
+    shutil.rmtree(site / "tinypkg-1.0.dist-info")  # the user's own tree
     (tmp_path / "app").mkdir()
     script = write_target(tmp_path / "app" / "app.py", APP)
     env = dict(stage_env, PYTHONPATH=str(site))

@@ -1,205 +1,254 @@
 """Step 6: every rank imports from its node's staged copy.
 
-A path hook, first in ``sys.path_hooks``, takes over each bundled sys.path
-root (whether it is on ``sys.path`` now or is added later by the program):
+Activation changes four things, and :func:`deactivate` undoes them:
 
-- a name that is in the bundle is found in the staged copy, so its
-  ``__file__`` points into the staging root and C extensions find their
-  ``$ORIGIN``-relative libraries there too;
-- a name that the manifest's listing of the original root does not hold at
-  all is answered "not here" from memory, without touching the file system;
-- a name that the original root holds but the bundle does not imports from
-  its original location as usual: correct, only slower, and counted as a
-  miss in the report. The same holds inside a package the bundle has only
-  in part (``mpistage record --granularity file``): a submodule that is not
-  in the staged copy is looked for in the original package directory.
+- a path hook first in ``sys.path_hooks`` (:class:`~.finders.StagedHook`)
+  serves each bundled sys.path root from the staged copy, whether the root
+  is on ``sys.path`` now or is added later; ``sys.path`` is left as it is;
+- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`MetadataFinder`)
+  so that ``importlib.metadata`` reads distributions from the staged copy;
+- other meta path finders (setuptools' finder-based editable installs) are
+  wrapped (:class:`RedirectFinder`) so that what they find in a bundled tree
+  is loaded from the staged copy too;
+- ``PYTHONPATH`` gains a node-local directory whose ``sitecustomize``
+  activates the same copy in child processes (``subprocess``,
+  ``multiprocessing`` with spawn or forkserver) for the life of the job.
 
-``importlib.metadata`` reads the staged copies too (:class:`MetadataFinder`),
-and ``importlib.resources`` and reads relative to ``__file__`` follow the
-staged module. ``sys.path`` itself is left as it was.
+``pkgutil.iter_modules`` lists bundled roots from their listings, and
+``pkg_resources`` builds its working set from the staged copies.
 """
 
 import os as _os
 import sys as _sys
 
-
-class StagedFinder:
-    """The path entry finder of one bundled root: staged copy, then original."""
-
-    def __init__(self, original, staged, names, unbundled_dists, partial=()):
-        self.path, self.staged, self.names = original, staged, names
-        self.unbundled_dists, self.partial = unbundled_dists, frozenset(partial)
-        self._finders = {}
-
-    def below(self, path):
-        """Return the finder of a directory *path* inside this root, or ``None``.
-
-        Packages imported before activation keep their original ``__path__``;
-        their submodules are served from the staged copy all the same. A
-        directory the bundle holds whole answers absent names itself; one it
-        holds in part falls back to the original.
-        """
-        if self.staged is None or not path.startswith(self.path + _os.sep):
-            return None
-        rel = path[len(self.path) + 1 :]
-        inside = _os.path.join(self.staged, rel)
-        if not _os.path.isdir(inside):
-            return None
-        names = None if rel in self.partial else frozenset()
-        return StagedFinder(path, inside, names, False)
-
-    def metadata_paths(self):
-        """Where ``importlib.metadata`` looks for this root's distributions."""
-        found = [self.staged] if self.staged else []
-        return found + [self.path] if self.unbundled_dists else found
-
-    def finder(self, path):
-        """Return the regular finder of *path*, made once by the other hooks."""
-        if path not in self._finders:
-            self._finders[path] = regular_finder(path)
-        return self._finders[path]
-
-    def find_spec(self, fullname, target=None):
-        """Find *fullname* in the staged copy, else where the listing says.
-
-        Without a listing (*names* ``None``), always try the original. A root
-        the bundle holds nothing of has no staged copy (*staged* ``None``).
-        """
-        spec = None
-        if self.staged is not None:
-            spec = self.finder(self.staged).find_spec(fullname, target)
-        if spec is None and (
-            self.names is None or fullname.rpartition(".")[2] in self.names
-        ):
-            spec = self.finder(self.path).find_spec(fullname, target)
-        return spec
-
-    def invalidate_caches(self):
-        """Drop the cached directory listings of both finders."""
-        for finder in self._finders.values():
-            finder.invalidate_caches()
+CHILD_DIR = ".mpistage-child"
+CHILD_ENV = "MPISTAGE_CHILD"
 
 
-def regular_finder(path):
-    """Return the finder the standard path hooks give *path*."""
-    for hook in _sys.path_hooks:
-        if not isinstance(hook, StagedHook):
-            try:
-                return hook(path)
-            except ImportError:
-                continue
-    raise ImportError(f"no path hook for {path!r}", path=path)
+class Activation:
+    """What activation changed, so that it can be classified and undone."""
+
+    def __init__(self, root, hook, meta, wrapped, before, environ):
+        self.root, self.hook, self.meta, self.wrapped = root, hook, meta, wrapped
+        self.before, self.environ = before, environ
 
 
-class StagedHook:
-    """A path hook that hands out a :class:`StagedFinder` for bundled roots.
+def roots_of(staged):
+    """Return ``{original path: Root}`` for every root of a staged bundle."""
+    from mpistage.runtime.finders import Root
+    from mpistage.runtime.roots import destinations, partial_dirs
 
-    *partial* maps the staged copies of package directories that the bundle
-    holds only in part to their finders (a package's ``__path__`` points
-    into the staged copy, so its submodules are looked up there).
-    """
+    manifest, roots = staged.manifest, {}
+    held, owned = {}, {}
+    for member in manifest["members"]:
+        held[member["root"]] = True
+        if member.get("owned"):
+            owned.setdefault(member["root"], set()).add(member["rel"])
+    for index, dest in enumerate(destinations(manifest)):
+        entry = manifest["roots"][index]
+        copy = _os.path.join(staged.path, dest) if index in held else None
+        root = Root(
+            entry["path"],
+            copy,
+            entry.get("listing", []),
+            partial_dirs(manifest, index),
+            owned.get(index, ()),
+            bool(entry.get("stdlib")),
+        )
+        root.unbundled_dists = unbundled_dists(root.listing, copy)
+        roots[root.path] = root
+    return roots
 
-    def __init__(self, finders, partial=None):
-        self.finders, self.partial = finders, partial or {}
 
-    def __call__(self, path):
-        """Return the finder of *path*: a bundled root, a directory in one, a copy."""
-        path = _os.path.abspath(path or ".")
-        finder = self.finders.get(path) or self.partial.get(path)
-        for root in self.finders.values():
-            finder = finder or root.below(path)
-        if finder is None:
-            raise ImportError("not a bundled root", path=path)
-        return finder
+def unbundled_dists(listing, copy):
+    """Whether the original root has distributions the staged copy lacks."""
+    wanted = {e for e in listing if e.endswith((".dist-info/", ".egg-info/"))}
+    return any(
+        copy is None or not _os.path.isdir(_os.path.join(copy, e)) for e in wanted
+    )
+
+
+def finders_of(roots):
+    """Return the root finders and the finders of partly held directories."""
+    from mpistage.runtime.finders import StagedFinder
+
+    finders, partial = {}, {}
+    for path, root in roots.items():
+        finders[path] = StagedFinder(root, path, root.staged, root.names)
+        for rel in root.partial if root.staged else ():
+            inside, original = _os.path.join(root.staged, rel), _os.path.join(path, rel)
+            partial[inside] = StagedFinder(root, original, inside, None)
+    return finders, partial
 
 
 class MetadataFinder:
     """Stands in for ``PathFinder`` in ``sys.meta_path``.
 
-    Finding modules is left to ``PathFinder`` unchanged; finding
-    distributions (``importlib.metadata``) looks at the staged copy of each
-    bundled root instead of the original. The original is still searched
-    after it when its listing has distributions the bundle lacks.
+    Finding modules is left to ``PathFinder``; finding distributions
+    (``importlib.metadata``) looks at the staged copy of each bundled root,
+    and at the original after it only when the original holds distributions
+    the bundle lacks. It also lets ``pkgutil`` and ``pkg_resources`` know
+    the staged roots when they are imported.
     """
 
-    def __init__(self, base, finders):
-        self.base, self.finders = base, finders
+    def __init__(self, base, roots):
+        self.base, self.roots = base, roots
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
     def find_spec(self, fullname, path=None, target=None):
-        """Find a module exactly as ``PathFinder`` does."""
-        return self.base.find_spec(fullname, path, target)
+        """Find a module as ``PathFinder`` does; prepare pkgutil, pkg_resources."""
+        spec = self.base.find_spec(fullname, path, target)
+        if spec is not None and fullname in AFTER_IMPORT:
+            spec.loader = Prepared(spec.loader, fullname, self.roots)
+        return spec
 
     def find_distributions(self, context=None):
         """Find distributions, reading bundled roots from their staged copy."""
         from importlib.metadata import DistributionFinder
 
         context = context or DistributionFinder.Context()
-        path = []
-        for entry in context.path:
-            finder = self.finders.get(_os.path.abspath(entry or "."))
-            path += finder.metadata_paths() if finder else [entry]
+        path = metadata_path(context.path, self.roots)
         return self.base.find_distributions(
             DistributionFinder.Context(name=context.name, path=path)
         )
 
 
-def install_metadata_finder(finders):
+def metadata_path(entries, roots):
+    """Return *entries* with each bundled root replaced by where its metadata is."""
+    path = []
+    for entry in entries:
+        root = roots.get(_os.path.abspath(entry or "."))
+        path += root.metadata_paths() if root else [entry]
+    return path
+
+
+class Prepared:
+    """A loader that runs ``pkgutil`` or ``pkg_resources`` with staged roots known."""
+
+    def __init__(self, loader, name, roots):
+        self.loader, self.name, self.roots = loader, name, roots
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        """Create the module as the real loader does."""
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
+
+        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
+        is imported; scanning the staged copies keeps that node-local.
+        """
+        module.__loader__ = module.__spec__.loader = self.loader
+        saved = _sys.path[:]
+        if self.name == "pkg_resources":
+            _sys.path[:] = metadata_path(saved, self.roots)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _sys.path[:] = saved
+        AFTER_IMPORT[self.name](module)
+
+
+def register_pkgutil(pkgutil):
+    """Let ``pkgutil.iter_modules`` list bundled roots from their listings."""
+    from mpistage.runtime.finders import StagedFinder
+
+    @pkgutil.iter_importer_modules.register(StagedFinder)
+    def _iter_staged(importer, prefix=""):
+        return importer.iter_modules(prefix)
+
+
+def register_pkg_resources(pkg_resources):
+    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
+    from mpistage.runtime.finders import StagedFinder
+
+    def find_staged(importer, path_item, only=False):
+        for path in importer.root.metadata_paths():
+            yield from pkg_resources.find_on_path(importer, path, only)
+
+    pkg_resources.register_finder(StagedFinder, find_staged)
+
+
+AFTER_IMPORT = {"pkgutil": register_pkgutil, "pkg_resources": register_pkg_resources}
+
+
+class RedirectFinder:
+    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
+
+    def __init__(self, base, roots):
+        self.base, self.roots = base, roots
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
+        from importlib.machinery import (
+            ExtensionFileLoader,
+            SourceFileLoader,
+            SourcelessFileLoader,
+        )
+
+        spec = self.base.find_spec(fullname, path, target)
+        plain = (SourceFileLoader, SourcelessFileLoader, ExtensionFileLoader)
+        if spec is None or type(spec.loader) not in plain or not spec.has_location:
+            return spec  # A loader of its own (pytest's rewriting): left alone.
+        return staged_spec(spec, self.roots) or spec
+
+
+def staged_spec(spec, roots):
+    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
+    from importlib.util import spec_from_file_location
+
+    from mpistage.runtime.finders import transparent_spec
+
+    for root in roots.values():
+        if root.staged and spec.origin.startswith(root.path + _os.sep):
+            copy = root.staged + spec.origin[len(root.path) :]
+            if not _os.path.isfile(copy):
+                return None
+            package = spec.submodule_search_locations is not None
+            locations = [_os.path.dirname(copy)] if package else None
+            found = spec_from_file_location(
+                spec.name, copy, submodule_search_locations=locations
+            )
+            rel = copy[len(root.staged) + 1 :]
+            return transparent_spec(found, root) if root.transparent(rel) else found
+    return None
+
+
+def wrap_meta_finders(roots):
+    """Wrap the meta path finders that are not the standard ones; return them."""
+    from importlib.machinery import BuiltinImporter, FrozenImporter
+
+    standard = (BuiltinImporter, FrozenImporter)
+    wrapped = []
+    for index, finder in enumerate(_sys.meta_path):
+        if finder in standard or isinstance(finder, MetadataFinder):
+            continue
+        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
+            continue
+        if not hasattr(finder, "find_spec"):
+            continue
+        _sys.meta_path[index] = RedirectFinder(finder, roots)
+        wrapped.append(_sys.meta_path[index])
+    return wrapped
+
+
+def install_metadata_finder(roots):
     """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
     from importlib.machinery import PathFinder
 
     for index, finder in enumerate(_sys.meta_path):
         if finder is PathFinder:
-            _sys.meta_path[index] = MetadataFinder(finder, finders)
+            _sys.meta_path[index] = MetadataFinder(finder, roots)
             return _sys.meta_path[index]
     return None
-
-
-def unbundled_dists(listing, staged):
-    """Whether the original root has distributions the staged copy lacks."""
-    wanted = {e for e in listing if e.endswith((".dist-info/", ".egg-info/"))}
-    return any(not _os.path.isdir(_os.path.join(staged, e)) for e in wanted)
-
-
-class Activation:
-    """What activation changed, so that it can be classified and undone."""
-
-    def __init__(self, root, hook, meta, before):
-        self.root, self.hook, self.meta, self.before = root, hook, meta, before
-
-
-def finders_of(staged):
-    """Return the root finders and partial-directory finders of a staged bundle."""
-    from mpistage.runtime.roots import destinations, module_names, partial_dirs
-
-    manifest, finders, partial = staged.manifest, {}, {}
-    held = {m["root"] for m in manifest["members"]}
-    for index, dest in enumerate(destinations(manifest)):
-        entry = manifest["roots"][index]
-        path, listing = entry["path"], entry.get("listing", [])
-        copy = _os.path.join(staged.path, dest) if index in held else None
-        extra = copy is None or unbundled_dists(listing, copy)
-        part = partial_dirs(manifest, index)
-        finders[path] = StagedFinder(path, copy, module_names(listing), extra, part)
-        for rel in part:
-            inside, original = _os.path.join(copy, rel), _os.path.join(path, rel)
-            partial[inside] = StagedFinder(original, inside, None, False)
-    return finders, partial
-
-
-def activate(staged):
-    """Serve the bundled roots of *staged* from its node-local copy."""
-    import importlib
-
-    finders, partial = finders_of(staged)
-    hook = StagedHook(finders, partial)
-    _sys.path_hooks.insert(0, hook)
-    meta = install_metadata_finder(finders)
-    forget(finders)
-    importlib.invalidate_caches()
-    return Activation(staged.path, hook, meta, set(_sys.modules))
 
 
 def forget(finders):
@@ -211,34 +260,132 @@ def forget(finders):
             del _sys.path_importer_cache[path]
 
 
+def activate(staged, children=True):
+    """Serve the bundled roots of *staged* from its node-local copy."""
+    import importlib
+
+    from mpistage.runtime.finders import StagedHook
+
+    roots = roots_of(staged)
+    finders, partial = finders_of(roots)
+    hook = StagedHook(finders, partial)
+    _sys.path_hooks.insert(0, hook)
+    meta = install_metadata_finder(roots)
+    wrapped = wrap_meta_finders(roots)
+    forget(finders)
+    importlib.invalidate_caches()
+    if "pkgutil" in _sys.modules:
+        register_pkgutil(_sys.modules["pkgutil"])
+    environ = inherit(staged) if children else None
+    return Activation(staged.path, hook, meta, wrapped, set(_sys.modules), environ)
+
+
 def deactivate(activation):
     """Undo :func:`activate`: hooks and finders as before, caches dropped."""
     import importlib
 
+    from mpistage.runtime.finders import StagedFinder
+
     if activation.hook in _sys.path_hooks:
         _sys.path_hooks.remove(activation.hook)
     for index, finder in enumerate(_sys.meta_path):
-        if finder is activation.meta:
-            _sys.meta_path[index] = activation.meta.base
+        if finder is activation.meta or finder in activation.wrapped:
+            _sys.meta_path[index] = finder.base
     for path, finder in list(_sys.path_importer_cache.items()):
         if isinstance(finder, StagedFinder):
             del _sys.path_importer_cache[path]
+    if activation.environ is not None:
+        restore(activation.environ)
     importlib.invalidate_caches()
+
+
+# -- child processes ---------------------------------------------------------------
+
+CHILD_HOOK = '''\
+"""Written by mpistage: child processes of a job import from the node's copy."""
+import os as _os, sys as _sys
+
+
+def _activate():
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != here]
+    try:
+        from mpistage.runtime.activate import activate_child
+        activate_child(here)
+    except Exception as exc:  # the child still runs, from the originals
+        print(f"mpistage: warning: not staged in this child: {exc}", file=_sys.stderr)
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+    spec = PathFinder.find_spec("sitecustomize", _sys.path)
+    if spec is not None and spec.loader is not None:
+        module = module_from_spec(spec)
+        _sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+
+
+_activate()
+'''
+
+
+def write_child_hook(staged):
+    """Leader: write the children's ``sitecustomize`` and plan into the copy."""
+    import pickle
+
+    folder = _os.path.join(staged.path, CHILD_DIR)
+    _os.makedirs(folder, mode=0o700, exist_ok=True)
+    with open(_os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(CHILD_HOOK)
+    with open(_os.path.join(folder, "plan.pickle"), "wb") as f:
+        pickle.dump((staged.path, staged.manifest), f)
+
+
+def inherit(staged):
+    """Point child processes at the copy; return what the environment was."""
+    folder = _os.path.join(staged.path, CHILD_DIR)
+    saved = {k: _os.environ.get(k) for k in ("PYTHONPATH", CHILD_ENV)}
+    if staged.root is not None:
+        write_child_hook(staged)
+    rest = _os.environ.get("PYTHONPATH")
+    _os.environ["PYTHONPATH"] = folder + (_os.pathsep + rest if rest else "")
+    _os.environ[CHILD_ENV] = staged.path
+    return saved
+
+
+def restore(saved):
+    """Put the environment variables back as they were."""
+    for key, value in saved.items():
+        if value is None:
+            _os.environ.pop(key, None)
+        else:
+            _os.environ[key] = value
+
+
+def activate_child(folder):
+    """In a child process: activate the copy described in *folder*."""
+    import pickle
+
+    from mpistage.runtime.stage import Staged
+
+    with open(_os.path.join(folder, "plan.pickle"), "rb") as f:
+        path, manifest = pickle.load(f)
+    activate(Staged(path, manifest, 0), children=False)
 
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
+    from mpistage.runtime.finders import TransparentLoader
     from mpistage.runtime.roots import in_stdlib
 
     served, missed, stdlib = [], [], []
     root = activation.root + _os.sep
     for name, module in list(_sys.modules.items()):
-        origin = getattr(getattr(module, "__spec__", None), "origin", None)
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
         if name in activation.before or name.partition(".")[0] == "mpistage":
             continue
         if not origin or not _os.path.isabs(origin):
             continue
-        if origin.startswith(root):
+        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
             served.append(name)
         elif in_stdlib(origin):
             stdlib.append(name)

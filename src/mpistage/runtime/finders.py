@@ -1,0 +1,231 @@
+"""The finders and loaders that serve a bundled root from its staged copy.
+
+:class:`StagedFinder` is the path entry finder of one bundled root (or of a
+directory inside one). It is a ``FileFinder`` to the rest of the ecosystem,
+so ``pkg_resources`` and ``pkgutil`` treat bundled roots as the directories
+they are, and it answers from the staged copy and the manifest's listing:
+
+- a name in the bundle is found in the staged copy;
+- a name the original root does not hold is answered "not here" from the
+  listing, without the file system;
+- a name the original holds but the bundle lacks is found in the original
+  (correct, slower, counted as a miss).
+
+Which ``__file__`` a served module gets: files that an installed
+distribution owns (site-packages) and the standard library are served with
+their staged paths, so C extensions find their ``$ORIGIN`` libraries and
+everything reads node-locally. Source files no distribution owns (the
+script's directory, ``--path`` trees, a package under development, test
+files) keep their original ``__file__``: pytest and coverage compare it
+with files they find on disk. Their bytes still come from the staged copy
+(:class:`TransparentLoader`).
+"""
+
+import os as _os
+import sys as _sys
+from importlib.machinery import FileFinder as _FileFinder
+from importlib.machinery import SourceFileLoader as _SourceFileLoader
+
+
+class Root:
+    """What activation knows of one bundled root."""
+
+    def __init__(self, path, staged, listing, partial=(), owned=(), stdlib=False):
+        from mpistage.runtime.roots import module_names
+
+        self.path, self.staged, self.listing = path, staged, listing
+        self.names = module_names(listing)
+        self.partial, self.owned = frozenset(partial), frozenset(owned)
+        self.stdlib, self.unbundled_dists = stdlib, False
+
+    def transparent(self, rel):
+        """Whether the file *rel* keeps its original ``__file__``."""
+        return not self.stdlib and rel.endswith(".py") and rel not in self.owned
+
+    def metadata_paths(self):
+        """Where ``importlib.metadata`` looks for this root's distributions."""
+        found = [self.staged] if self.staged else []
+        return found + [self.path] if self.unbundled_dists else found
+
+
+class StagedFinder(_FileFinder):
+    """The path entry finder of one bundled directory: staged copy, then original.
+
+    *names* are the module names the original holds (``None``: unknown, so
+    try the original on every miss).
+    """
+
+    def __init__(self, root, original, staged, names):
+        super().__init__(original)
+        self.root, self.staged, self.names = root, staged, names
+        self._finders = {}
+
+    def __repr__(self):
+        return f"StagedFinder({self.path!r}, staged={self.staged!r})"
+
+    def finder(self, path):
+        """Return the regular finder of *path*, made once by the other hooks."""
+        if path not in self._finders:
+            self._finders[path] = regular_finder(path)
+        return self._finders[path]
+
+    def find_spec(self, fullname, target=None):
+        """Find *fullname* in the staged copy, else where the listing says."""
+        spec = None
+        if self.staged is not None:
+            spec = self.finder(self.staged).find_spec(fullname, target)
+            if spec is not None:
+                return self.present(spec)
+        if self.names is None or fullname.rpartition(".")[2] in self.names:
+            spec = self.finder(self.path).find_spec(fullname, target)
+        return spec
+
+    def present(self, spec):
+        """Give a spec found in the staged copy the ``__file__`` it should show."""
+        if not spec.has_location or not spec.origin or not self.root.staged:
+            return spec
+        if not self.root.transparent(_os.path.relpath(spec.origin, self.root.staged)):
+            return spec
+        return transparent_spec(spec, self.root)
+
+    def below(self, path):
+        """Return the finder of a directory *path* inside this root, or ``None``.
+
+        Packages imported before activation keep their original ``__path__``;
+        their submodules are served from the staged copy all the same. A
+        directory the bundle holds whole answers absent names itself; one it
+        holds in part falls back to the original.
+        """
+        if self.staged is None or not path.startswith(self.path + _os.sep):
+            return None
+        rel = path[len(self.path) + 1 :]
+        inside = _os.path.join(self.staged, rel)
+        if not _os.path.isdir(inside):
+            return None
+        names = None if rel in self.root.partial else frozenset()
+        return StagedFinder(self.root, path, inside, names)
+
+    def iter_modules(self, prefix=""):
+        """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
+        import inspect
+
+        for entry in self.entries():
+            name = entry.rstrip("/")
+            if entry.endswith("/"):
+                if name.isidentifier() and "." not in name and self.is_package(name):
+                    yield prefix + name, True
+            else:
+                module = inspect.getmodulename(name)
+                if module and module != "__init__" and module.isidentifier():
+                    yield prefix + module, False
+
+    def entries(self):
+        """The directory's entries, directories ending in ``/``: listing or copy."""
+        if self.path == self.root.path:
+            return self.root.listing
+        with _os.scandir(self.staged or self.path) as found:
+            return sorted(e.name + "/" if e.is_dir() else e.name for e in found)
+
+    def is_package(self, name):
+        """Whether the directory *name* holds an ``__init__`` module."""
+        for base in (self.staged, self.path):
+            if base and _os.path.isdir(_os.path.join(base, name)):
+                return any(
+                    entry.startswith("__init__.")
+                    for entry in _os.listdir(_os.path.join(base, name))
+                )
+        return False
+
+    def invalidate_caches(self):
+        """Drop the cached directory listings of both finders."""
+        for finder in self._finders.values():
+            finder.invalidate_caches()
+
+
+def regular_finder(path):
+    """Return the finder the standard path hooks give *path*."""
+    for hook in _sys.path_hooks:
+        if not isinstance(hook, StagedHook):
+            try:
+                return hook(path)
+            except ImportError:
+                continue
+    raise ImportError(f"no path hook for {path!r}", path=path)
+
+
+class StagedHook:
+    """A path hook that hands out a :class:`StagedFinder` for bundled directories.
+
+    It serves each bundled root, each directory inside one (a package's
+    ``__path__`` may point to the original) and, for packages the bundle
+    holds in part, their directories in the staged copy.
+    """
+
+    def __init__(self, finders, partial=None):
+        self.finders, self.partial = finders, partial or {}
+
+    def __call__(self, path):
+        """Return the finder of *path*: a bundled root, a directory in one, a copy."""
+        path = _os.path.abspath(path or ".")
+        finder = self.finders.get(path) or self.partial.get(path)
+        for root in self.finders.values():
+            finder = finder or root.below(path)
+        if finder is None:
+            raise ImportError("not a bundled root", path=path)
+        return finder
+
+
+class TransparentLoader(_SourceFileLoader):
+    """Load a source module from the staged copy under its original path.
+
+    Every path the import system asks about (the source, its bytecode) is
+    mapped from the original root to the staged copy; ``__file__``,
+    ``__cached__`` and tracebacks show the original.
+    """
+
+    def __init__(self, fullname, path, root):
+        super().__init__(fullname, path)
+        self.root = root
+
+    def staged_path(self, path):
+        """Map a path below the original root to the staged copy."""
+        head = self.root.path + _os.sep
+        return (
+            self.root.staged + path[len(self.root.path) :]
+            if path.startswith(head)
+            else path
+        )
+
+    def get_data(self, path):
+        """Read *path* from the staged copy."""
+        return super().get_data(self.staged_path(path))
+
+    def path_stats(self, path):
+        """Stat *path* in the staged copy."""
+        return super().path_stats(self.staged_path(path))
+
+    def set_data(self, path, data, *, _mode=0o666):
+        """Write bytecode into the staged copy, never the original."""
+        return super().set_data(self.staged_path(path), data, _mode=_mode)
+
+    def get_resource_reader(self, name):
+        """Serve ``importlib.resources`` of the package from the staged copy."""
+        from importlib.resources.readers import FileReader
+
+        reader = FileReader(self)
+        reader.path = type(reader.path)(self.staged_path(str(reader.path)))
+        return reader
+
+
+def transparent_spec(spec, root):
+    """Return *spec* (found in the staged copy) with original paths."""
+    from importlib.util import spec_from_file_location
+
+    original = root.path + spec.origin[len(root.staged) :]
+    locations = None
+    if spec.submodule_search_locations is not None:
+        locations = [_os.path.dirname(original)]
+    loader = TransparentLoader(spec.name, original, root)
+    return spec_from_file_location(
+        spec.name, original, loader=loader, submodule_search_locations=locations
+    )

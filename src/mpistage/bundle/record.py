@@ -69,6 +69,7 @@ class Recorder:
         self.active = False
         paths = self.paths | module_files(self.preloaded) | mapped_files()
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
+        entries += finder_roots(entries)
         return {
             "python": python_tag(),
             "sys_path": entries,
@@ -84,6 +85,27 @@ def by_import_system():
     except ValueError:
         return False
     return frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def finder_roots(entries):
+    """Return the roots of top-level modules found off ``sys.path``.
+
+    A finder-based editable install (PEP 660) maps a package to its source
+    tree without putting that tree on ``sys.path``; the tree's parent is a
+    root all the same.
+    """
+    found = set()
+    prefixes = tuple(e + _os.sep for e in entries)
+    for name, module in list(_sys.modules.items()):
+        origin = getattr(getattr(module, "__spec__", None), "origin", None)
+        if "." in name or not origin or not _os.path.isabs(origin):
+            continue
+        if origin.startswith(prefixes) or not _os.path.isfile(origin):
+            continue
+        is_package = _os.path.basename(origin).startswith("__init__.")
+        top = _os.path.dirname(origin)
+        found.add(_os.path.dirname(top) if is_package else top)
+    return sorted(found)
 
 
 def writes(args):

@@ -141,18 +141,27 @@ def stamp(root):
 
 
 def distributions(root, files):
-    """Return the RECORD identities of bundled distributions, and what they own."""
+    """Return the RECORD identities of the distributions that own bundled files.
+
+    Every installed distribution of the root is looked at, bundled or not
+    (``--granularity file`` may take a package's files without its metadata);
+    returns ({dist-info: [inode, size, mtime]}, the bundled files they own).
+    """
     from mpistage.runtime.roots import METADATA_SUFFIXES
 
     dists, owned = {}, set()
-    tops = {_os.path.relpath(path, root).split(_os.sep, 1)[0] for path in files}
-    for name in sorted(tops):
+    rels = {_os.path.relpath(path, root) for path in files}
+    if not _os.path.isdir(root):
+        return dists, owned
+    for name in sorted(_os.listdir(root)):
         record = _os.path.join(root, name, "RECORD")
         if not name.endswith(METADATA_SUFFIXES) or not _os.path.isfile(record):
             continue
-        st = _os.stat(record)
-        dists[name] = [st.st_ino, st.st_size, st.st_mtime_ns]
-        owned |= record_paths(root, record)
+        mine = record_paths(root, record) & rels
+        if mine:
+            st = _os.stat(record)
+            dists[name] = [st.st_ino, st.st_size, st.st_mtime_ns]
+            owned |= mine
     return dists, owned
 
 

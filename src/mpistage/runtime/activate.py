@@ -115,12 +115,20 @@ class MetadataFinder:
         )
 
 
-def metadata_path(entries, roots):
-    """Return *entries* with each bundled root replaced by where its metadata is."""
+def metadata_path(entries, roots, keep=False):
+    """Return *entries* with each bundled root replaced by where its metadata is.
+
+    A root the bundle holds nothing of is dropped when its listing shows no
+    distributions; with *keep*, it stays (``pkg_resources`` also imports
+    through this path while it scans).
+    """
     path = []
     for entry in entries:
         root = roots.get(_os.path.abspath(entry or "."))
-        path += root.metadata_paths() if root else [entry]
+        if root is None or (keep and root.staged is None):
+            path.append(entry)
+        else:
+            path += root.metadata_paths()
     return path
 
 
@@ -146,7 +154,7 @@ class Prepared:
         module.__loader__ = module.__spec__.loader = self.loader
         saved = _sys.path[:]
         if self.name == "pkg_resources":
-            _sys.path[:] = metadata_path(saved, self.roots)
+            _sys.path[:] = metadata_path(saved, self.roots, keep=True)
         try:
             self.loader.exec_module(module)
         finally:

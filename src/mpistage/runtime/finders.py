@@ -12,13 +12,14 @@ they are, and it answers from the staged copy and the manifest's listing:
   (correct, slower, counted as a miss).
 
 Which ``__file__`` a served module gets: files that an installed
-distribution owns (site-packages) and the standard library are served with
-their staged paths, so C extensions find their ``$ORIGIN`` libraries and
-everything reads node-locally. Source files no distribution owns (the
+distribution owns (site-packages) are served with their staged paths, so C
+extensions find their ``$ORIGIN`` libraries and data read relative to
+``__file__`` is node-local too. Source files no distribution owns (the
 script's directory, ``--path`` trees, a package under development, test
-files) keep their original ``__file__``: pytest and coverage compare it
-with files they find on disk. Their bytes still come from the staged copy
-(:class:`TransparentLoader`).
+files) and the standard library's keep their original ``__file__``: pytest
+and coverage compare it with files they find on disk, and coverage knows
+the standard library by its place. Their bytes still come from the staged
+copy (:class:`TransparentLoader`).
 """
 
 import os as _os
@@ -39,8 +40,8 @@ class Root:
         self.stdlib, self.unbundled_dists = stdlib, False
 
     def transparent(self, rel):
-        """Whether the file *rel* keeps its original ``__file__``."""
-        return not self.stdlib and rel.endswith(".py") and rel not in self.owned
+        """Whether the source file *rel* keeps its original ``__file__``."""
+        return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
 
     def metadata_paths(self):
         """Where ``importlib.metadata`` looks for this root's distributions."""
@@ -107,17 +108,18 @@ class StagedFinder(_FileFinder):
 
     def iter_modules(self, prefix=""):
         """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
-        import inspect
-
+        yielded = set()
         for entry in self.entries():
             name = entry.rstrip("/")
-            if entry.endswith("/"):
-                if name.isidentifier() and "." not in name and self.is_package(name):
-                    yield prefix + name, True
-            else:
-                module = inspect.getmodulename(name)
-                if module and module != "__init__" and module.isidentifier():
-                    yield prefix + module, False
+            module, package = module_name(name), False
+            if not module and entry.endswith("/") and "." not in name:
+                module, package = name, self.is_package(name)
+                if not package:
+                    continue
+            if module and module != "__init__" and "." not in module:
+                if module not in yielded:
+                    yielded.add(module)
+                    yield prefix + module, package
 
     def entries(self):
         """The directory's entries, directories ending in ``/``: listing or copy."""
@@ -140,6 +142,16 @@ class StagedFinder(_FileFinder):
         """Drop the cached directory listings of both finders."""
         for finder in self._finders.values():
             finder.invalidate_caches()
+
+
+def module_name(filename):
+    """Return the module name of *filename* as ``inspect.getmodulename`` does."""
+    from mpistage.runtime.roots import import_suffixes
+
+    for suffix in sorted(import_suffixes(), key=len, reverse=True):
+        if filename.endswith(suffix):
+            return filename[: -len(suffix)]
+    return None
 
 
 def regular_finder(path):

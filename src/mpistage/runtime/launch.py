@@ -124,7 +124,7 @@ class Runner:
         self.world, self.options, self.args = world, options, list(args)
         self.session = Session(world, options.bundle, options.validate, options.keep)
         self.session.on_close.append(self.wrap_up)
-        self.recorder, self.auto, self.status = None, None, 0
+        self.recorder, self.auto, self.status, self.watch = None, None, 0, None
 
     def start(self):
         """Check the target, then stage (or, with ``--auto``, maybe record)."""
@@ -136,6 +136,14 @@ class Runner:
             self.start_auto()
         elif self.options.bundle:
             self.session.start()
+        if self.reporting() and self.session.staged is not None:
+            from mpistage.runtime.report import Watch
+
+            self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+
+    def reporting(self):
+        """Whether a report was asked for (``--report`` or ``MPISTAGE_REPORT``)."""
+        return bool(self.options.report or _os.environ.get("MPISTAGE_REPORT"))
 
     def check_target(self):
         """Rank 0: refuse a script that is not there, before staging anything."""
@@ -207,9 +215,9 @@ class Runner:
             from mpistage.runtime import auto
 
             auto.save(self.world, self.recorder, session.bundle, self.args)
-        if not (self.options.report or _os.environ.get("MPISTAGE_REPORT")):
+        if not self.reporting():
             return
-        facts = report.local_facts(session, session.seconds)
+        facts = report.local_facts(session, session.seconds, self.watch)
         ranks = self.world.gather(facts, root=0)
         if self.world.rank == 0:
             summary = report.summarize(self.job_facts(), ranks)

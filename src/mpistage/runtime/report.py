@@ -3,6 +3,12 @@
 Every rank keeps its own step timings and import counts; rank 0 gathers
 them, takes the slowest rank for each step (the job waits for it), and
 prints one screen (``--report``) or writes JSON (``MPISTAGE_REPORT=path``).
+
+When a report is asked for, every rank also counts, after activation, each
+access to the original of a bundled root that the bundle could have served:
+files opened for reading and directories listed, by kind (modules,
+distribution metadata, other data), through an audit hook (:class:`Watch`).
+``stat`` calls are not audited by Python and are not counted.
 """
 
 import os as _os
@@ -11,15 +17,67 @@ import sys as _sys
 STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run")
 
 
-def local_facts(session, seconds):
-    """Return this rank's timings and import counts."""
+KINDS = ("modules", "metadata", "data", "listings")
+
+
+class Watch:
+    """Counts this rank's accesses to bundled originals after activation."""
+
+    def __init__(self, roots):
+        import sys
+
+        self.prefixes = tuple(path + "/" for path in roots)
+        self.counts = dict.fromkeys(KINDS, 0)
+        self.active = True
+        sys.addaudithook(self.hook)
+
+    def hook(self, event, args):
+        """Audit hook: count opens for reading and listings below an original."""
+        if not self.active or event not in ("open", "os.listdir", "os.scandir"):
+            return
+        path = args[0] if args else None
+        if isinstance(path, bytes):
+            path = _os.fsdecode(path)
+        if not isinstance(path, str) or not path.startswith(self.prefixes):
+            return
+        if event == "open" and isinstance(args[1], str) and set(args[1]) & set("wax+"):
+            return
+        self.counts[kind_of(event, path)] += 1
+
+    def stop(self):
+        """Stop counting; return the counts."""
+        self.active = False
+        return self.counts
+
+
+def kind_of(event, path):
+    """Return the kind of an access: modules, metadata, data or listings."""
+    from mpistage.runtime.roots import import_suffixes
+
+    if event != "open":
+        return "listings"
+    if ".dist-info/" in path or ".egg-info/" in path:
+        return "metadata"
+    if path.endswith(import_suffixes() + (".pyc",)):
+        return "modules"
+    return "data"
+
+
+def local_facts(session, seconds, watch=None):
+    """Return this rank's timings, import counts and original accesses."""
     from mpistage.runtime.activate import classify
 
     empty = {"served": [], "missed": [], "stdlib": []}
     activation = session.activation if session else None
     modules = classify(activation) if activation else empty
     root = session.staged.path if session and session.staged else None
-    return {"seconds": seconds, "modules": modules, "stage_root": root}
+    accesses = watch.stop() if watch else dict.fromkeys(KINDS, 0)
+    return {
+        "seconds": seconds,
+        "modules": modules,
+        "stage_root": root,
+        "accesses": accesses,
+    }
 
 
 def summarize(job, ranks):
@@ -28,6 +86,8 @@ def summarize(job, ranks):
     served = sorted({m for r in ranks for m in r["modules"]["served"]})
     missed = sorted({m for r in ranks for m in r["modules"]["missed"]})
     stdlib = sorted({m for r in ranks for m in r["modules"]["stdlib"]})
+    accesses = {k: sum(r["accesses"][k] for r in ranks) for k in KINDS}
+    missing_ranks = [i for i, r in enumerate(ranks) if r["modules"]["missed"]]
     return {
         "ranks": len(ranks),
         "nodes": job["nodes"],
@@ -41,7 +101,9 @@ def summarize(job, ranks):
             "missed": len(missed),
             "stdlib": len(stdlib),
             "missed_names": missed,
+            "missed_on_ranks": missing_ranks,
         },
+        "original_accesses": accesses,
     }
 
 
@@ -57,16 +119,31 @@ def render(report):
         f"  modules: {mods['served']} served from the staged copy, "
         f"{mods['missed']} missed, {mods['stdlib']} from the standard library",
     ]
+    accesses = report.get("original_accesses", {})
+    if any(accesses.values()):
+        counts = ", ".join(f"{accesses[k]} {k}" for k in KINDS if accesses[k])
+        lines.append(f"  originals read after activation, all ranks: {counts}")
     if mods["missed_names"]:
         names = mods["missed_names"]
         shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
         lines.append(f"  missed: {shown}")
-        lines.append(
-            "  hint: re-record with `mpistage record -o app.mpistage -- python "
-            "app.py` (--granularity package, the default, takes whole packages), "
-            "or add them: `mpistage pack ... NAME`"
-        )
+        lines.append(hint(mods.get("missed_on_ranks", [0]), report["ranks"]))
     return "\n".join(lines)
+
+
+def hint(ranks_that_missed, size):
+    """Say how to get the missed modules into the bundle."""
+    if ranks_that_missed and ranks_that_missed != [0]:
+        return (
+            "  hint: ranks other than 0 imported them: learn with --auto (it "
+            "records every rank), or `mpistage record -o app.mpistage -- mpiexec "
+            f"-n {min(size, 4)} python app.py`, or add them: `mpistage pack ... NAME`"
+        )
+    return (
+        "  hint: re-record with `mpistage record -o app.mpistage -- python "
+        "app.py` (--granularity package, the default, takes whole packages), "
+        "or add them: `mpistage pack ... NAME`"
+    )
 
 
 def emit(report, show):

@@ -1,8 +1,14 @@
-"""Started in every Python process of ``mpistage record``'s command.
+"""Started in Python processes that mpistage launches or that a job starts.
 
-``mpistage record`` puts this directory first on ``PYTHONPATH``; this module
-takes itself back off ``sys.path``, starts a recorder that writes the
-process's usage to ``$MPISTAGE_RECORD_DIR`` at exit, and then runs the
+The directory of this module goes first on ``PYTHONPATH`` in two cases:
+
+- ``mpistage record`` (``MPISTAGE_RECORD_DIR``): every Python process of
+  the recorded command starts a recorder that writes its usage there at exit;
+- child processes of a staged job (``MPISTAGE_CHILD``: the node's plan):
+  ``subprocess`` and ``multiprocessing`` children import from the node's
+  staged copy for the life of the job.
+
+It takes itself back off ``sys.path``, does its part, and then runs the
 user's own ``sitecustomize``, if there is one.
 """
 
@@ -18,7 +24,20 @@ def _start():
         from mpistage.bundle.record import start_child
 
         start_child(folder)
+    plan = os.environ.get("MPISTAGE_CHILD")
+    if plan:
+        _activate(plan)
     _run_users_sitecustomize()
+
+
+def _activate(plan):
+    """Serve this child's imports from the node's copy; go on without it if gone."""
+    try:
+        from mpistage.runtime.activate import activate_child
+
+        activate_child(plan)
+    except Exception as exc:  # the child still runs, from the originals
+        print(f"mpistage: warning: not staged in this child: {exc}", file=sys.stderr)
 
 
 def _run_users_sitecustomize():

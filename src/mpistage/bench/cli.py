@@ -86,6 +86,14 @@ def run_parser():
         "plain-env,staged-env (default plain,mpistage,local)",
     )
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument(
+        "--set-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for every rank of every mode (a site "
+        "setting to measure, e.g. UCX_MODULES=^ib)",
+    )
     p.add_argument("--latency", default="0.5ms", help="metadata latency")
     p.add_argument("--cache", action="store_true", help="enable kernel caches")
     p.add_argument(
@@ -128,6 +136,7 @@ def cli_run(argv):
             repeat=args.repeat,
             latency=parse_latency(args.latency),
             cache=args.cache,
+            extra_env=parse_env(args.set_env),
         )
     meta = {
         "latency": args.latency,
@@ -137,6 +146,7 @@ def cli_run(argv):
         "argv": argv,
         "cache": args.cache,
         "cores": os.cpu_count(),
+        "set_env": args.set_env,
     }
     results.write_all(rows, args.out, meta)
     print(results.table(rows))
@@ -157,6 +167,19 @@ def workloads(args):
     }
     default = ["numpy"] if args.layout == "realistic" else ["numpy", "generated"]
     return [make(name, sizes=sizes) for name in args.workload or default]
+
+
+def parse_env(pairs):
+    """Parse ``KEY=VALUE`` pairs into a dict."""
+    from mpistage import StageError
+
+    env = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise StageError(f"--set-env {pair!r}: give KEY=VALUE")
+        env[key] = value
+    return env
 
 
 def parse_ranks(text):

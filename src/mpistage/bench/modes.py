@@ -53,6 +53,7 @@ class Mode:
         env = clean_environ(bench.layout.environ())
         env["MPISTAGE_EMULATE_NODES"] = str(nodes)
         env["MPISTAGE_BENCH_RESULT"] = bench.result_path
+        env.update(bench.extra_env)
         return env
 
     def driver_site(self, bench):

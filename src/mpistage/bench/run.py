@@ -71,7 +71,7 @@ class Bench:
         from mpistage.bench.layout import LAYOUTS
         from mpistage.bench.simfs import SimFS
 
-        self.workload, self.nodes = workload, 1
+        self.workload, self.nodes, self.extra_env = workload, 1, {}
         self.work = tempfile.mkdtemp(prefix="mpistage-bench-")
         self.local_dir = tempfile.mkdtemp(
             prefix="mpistage-bench-local-", dir=local_base()
@@ -182,11 +182,24 @@ def cells(ranks_list, nodes, modes, repeat):
                 yield rep, ranks, min(nodes, ranks), mode
 
 
-def run_workload(workload, *, layout, via, ranks, nodes, modes, repeat, latency, cache):
+def run_workload(
+    workload,
+    *,
+    layout,
+    via,
+    ranks,
+    nodes,
+    modes,
+    repeat,
+    latency,
+    cache,
+    extra_env=None,
+):
     """Run every cell of one workload; return the rows."""
     from mpistage.bench.modes import MODES
 
     bench = Bench(workload, layout, via, latency, cache)
+    bench.extra_env = extra_env or {}
     rows = []
     try:
         progress(f"[{workload.name}] laying out the {layout} layout on the shared FS")

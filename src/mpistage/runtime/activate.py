@@ -21,7 +21,7 @@ Activation changes four things, and :func:`deactivate` undoes them:
 import os as _os
 import sys as _sys
 
-CHILD_DIR = ".mpistage-child"
+CHILD_PLAN = ".mpistage-plan.pickle"
 CHILD_ENV = "MPISTAGE_CHILD"
 
 
@@ -309,53 +309,31 @@ def deactivate(activation):
 
 # -- child processes ---------------------------------------------------------------
 
-CHILD_HOOK = '''\
-"""Written by mpistage: child processes of a job import from the node's copy."""
-import os as _os, sys as _sys
 
-
-def _activate():
-    here = _os.path.dirname(_os.path.abspath(__file__))
-    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != here]
-    try:
-        from mpistage.runtime.activate import activate_child
-        activate_child(here)
-    except Exception as exc:  # the child still runs, from the originals
-        print(f"mpistage: warning: not staged in this child: {exc}", file=_sys.stderr)
-    from importlib.machinery import PathFinder
-    from importlib.util import module_from_spec
-    spec = PathFinder.find_spec("sitecustomize", _sys.path)
-    if spec is not None and spec.loader is not None:
-        module = module_from_spec(spec)
-        _sys.modules["sitecustomize"] = module
-        spec.loader.exec_module(module)
-
-
-_activate()
-'''
-
-
-def write_child_hook(staged):
-    """Leader: write the children's ``sitecustomize`` and plan into the copy."""
+def write_plan(staged):
+    """Leader: write what a child needs to activate the copy, into the copy."""
     import pickle
 
-    folder = _os.path.join(staged.path, CHILD_DIR)
-    _os.makedirs(folder, mode=0o700, exist_ok=True)
-    with open(_os.path.join(folder, "sitecustomize.py"), "w") as f:
-        f.write(CHILD_HOOK)
-    with open(_os.path.join(folder, "plan.pickle"), "wb") as f:
+    path = _os.path.join(staged.path, CHILD_PLAN)
+    with open(path, "wb") as f:
         pickle.dump((staged.path, staged.manifest), f)
 
 
 def inherit(staged):
-    """Point child processes at the copy; return what the environment was."""
-    folder = _os.path.join(staged.path, CHILD_DIR)
+    """Point child processes at the copy; return what the environment was.
+
+    Children run mpistage's ``sitecustomize`` hook (the ``_hook`` directory,
+    put first on ``PYTHONPATH``), which reads the plan the leader wrote.
+    """
+    import mpistage
+
+    hook = _os.path.join(mpistage.__path__[0], "_hook")
     saved = {k: _os.environ.get(k) for k in ("PYTHONPATH", CHILD_ENV)}
     if staged.root is not None:
-        write_child_hook(staged)
+        write_plan(staged)
     rest = _os.environ.get("PYTHONPATH")
-    _os.environ["PYTHONPATH"] = folder + (_os.pathsep + rest if rest else "")
-    _os.environ[CHILD_ENV] = staged.path
+    _os.environ["PYTHONPATH"] = hook + (_os.pathsep + rest if rest else "")
+    _os.environ[CHILD_ENV] = _os.path.join(staged.path, CHILD_PLAN)
     return saved
 
 
@@ -368,13 +346,13 @@ def restore(saved):
             _os.environ[key] = value
 
 
-def activate_child(folder):
-    """In a child process: activate the copy described in *folder*."""
+def activate_child(plan):
+    """In a child process: activate the copy the *plan* file describes."""
     import pickle
 
     from mpistage.runtime.stage import Staged
 
-    with open(_os.path.join(folder, "plan.pickle"), "rb") as f:
+    with open(plan, "rb") as f:
         path, manifest = pickle.load(f)
     activate(Staged(path, manifest, 0), children=False)
 

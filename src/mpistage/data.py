@@ -34,6 +34,7 @@ import atexit as _atexit
 import os as _os
 import stat as _stat
 import sys as _sys
+import time as _time
 
 from mpistage import StageError
 
@@ -61,8 +62,8 @@ def read(path, comm=None, *, readers=1, io="posix"):
     *readers* ranks open and read the file (one by default), through plain
     reads (``io="posix"``) or MPI-IO collective reads (``io="mpiio"``).
     """
-    segment, view, _ = _share(comm, path, readers, io, _whole)
-    return SharedBuffer(segment, view, path)
+    job = _share(comm, path, readers, io, _whole)
+    return SharedBuffer(job.segment, job.view, job.path, job.seconds)
 
 
 def load(
@@ -84,8 +85,9 @@ def load(
     one dimension) in *order* from byte *offset* on.
     """
     locate = _locator(member, dtype, shape, order, offset)
-    segment, view, meta = _share(comm, path, readers, io, locate)
-    return SharedArray(segment, view, path, meta)
+    job = _share(comm, path, readers, io, locate)
+    meta = job.layout.meta
+    return SharedArray(job.segment, job.view, job.path, job.seconds, meta)
 
 
 class SharedBuffer:
@@ -95,12 +97,13 @@ class SharedBuffer:
     every rank of the node maps. :meth:`close` is collective; ``with``
     closes at the end of the block. Views taken from :attr:`view` stay
     valid after that: the node's memory is freed only once no rank of the
-    node holds any view of it.
+    node holds any view of it. :attr:`seconds` holds this rank's time in
+    each step (open, allocate, read, broadcast).
     """
 
-    def __init__(self, segment, view, path):
+    def __init__(self, segment, view, path, seconds):
         self._segment, self._view = segment, view
-        self.path, self.nbytes = _os.fspath(path), len(view)
+        self.path, self.nbytes, self.seconds = path, len(view), dict(seconds)
         self.closed = False
 
     @property
@@ -164,10 +167,10 @@ class SharedArray(SharedBuffer):
     raw bytes. Lifetime and :meth:`close` are those of :class:`SharedBuffer`.
     """
 
-    def __init__(self, segment, view, path, meta):
+    def __init__(self, segment, view, path, seconds, meta):
         import numpy
 
-        super().__init__(segment, view, path)
+        super().__init__(segment, view, path, seconds)
         dtype, shape, fortran = meta
         # frombuffer keeps the read-only memoryview as the base: numpy then
         # refuses ``flags.writeable = True``, which it would allow with a base
@@ -199,7 +202,7 @@ class SharedArray(SharedBuffer):
 
 
 def _share(comm, path, readers, io, locate):
-    """Run the collective steps; return (segment, read-only view, array meta)."""
+    """Run the collective steps; return the finished :class:`_Job`."""
     if comm is None:
         from mpi4py import MPI
 
@@ -214,13 +217,14 @@ def _share(comm, path, readers, io, locate):
     job = _Job(comm, attempt(comm, discover, comm), path, readers, io)
     try:
         _sweep(job.topo.node)
-        return _run(job, locate)
+        _run(job, locate)
     finally:
         job.close()
+    return job
 
 
 def _run(job, locate):
-    """Open, check, allocate, fill; return (segment, view, meta)."""
+    """Open, check, allocate, fill; set the job's segment and view."""
     from mpistage.runtime.collective import attempt
 
     attempt(job.comm, _open, job, locate)
@@ -229,15 +233,18 @@ def _run(job, locate):
     if job.io == "mpiio":
         job.split_readers()
         attempt(job.comm, _open_mpiio, job)
+    job.mark("open")
     if job.layout.length == 0:
-        return None, memoryview(b"").toreadonly(), job.layout.meta
+        job.view = memoryview(b"").toreadonly()
+        return
     job.segment = attempt(job.comm, _Segment, job.topo.node, job.layout.length)
+    job.mark("allocate")
     try:
         _fill(job, job.segment)
     except StageError:
         job.segment.free()  # every rank got this error from the same agreement
         raise
-    return job.segment, job.segment.readonly(), job.layout.meta
+    job.view = job.segment.readonly()
 
 
 def _fill(job, segment):
@@ -247,8 +254,10 @@ def _fill(job, segment):
     with segment.memory() as memory:
         attempt(job.comm, _read_part, job, memory)
         segment.sync()
+        job.mark("read")
         _spread(job, memory)
         segment.sync()
+        job.mark("broadcast")
 
 
 def _check_args(path, readers, io, ranks):
@@ -276,8 +285,14 @@ class _Job:
         self.slots = _reader_slots(topo, readers)
         here = (topo.index, topo.node.rank)
         self.slot = self.slots.index(here) if here in self.slots else None
-        self.fd = self.size = self.layout = self.segment = None
+        self.fd = self.size = self.layout = self.segment = self.view = None
         self.rcomm = self.file = None
+        self.seconds, self.last = {}, _time.perf_counter()
+
+    def mark(self, step):
+        """Note the seconds since the previous mark as *step*'s."""
+        now = _time.perf_counter()
+        self.seconds[step], self.last = now - self.last, now
 
     def part(self, slot=None):
         """Return the file offsets [lo, hi) that reader *slot* reads."""

@@ -53,13 +53,15 @@ before = pss_kib()
 barrier()
 start = time.perf_counter()
 if cfg["mode"] == "plain":
-    array = np.load(path)
+    array, steps = np.load(path), {}
 else:
-    array = data.load(path, comm=comm, readers=cfg["readers"], io=cfg["io"]).array
+    shared = data.load(path, comm=comm, readers=cfg["readers"], io=cfg["io"])
+    array, steps = shared.array, shared.seconds
 seconds = time.perf_counter() - start
 total = float(array.sum(dtype=np.float64))  # reads every page of the copy
 barrier()
-row = (comm.rank, os.getpid(), before, pss_kib(), seconds, total)
+row = dict(rank=comm.rank, pid=os.getpid(), before=before, after=pss_kib(),
+           seconds=seconds, total=total, steps=steps)
 rows = comm.gather(row, root=0)
 barrier()
 if comm.rank == 0:
@@ -74,6 +76,8 @@ COLUMNS = (
     "ranks",
     "nodes",
     "seconds",
+    "read_s",
+    "broadcast_s",
     "fs_bytes",
     "fs_ops",
     "fs_meta_ops",
@@ -194,7 +198,7 @@ class Bench:
         self.result = _os.path.join(self.work, "result.json")
         self.nodes = args.nodes
         self.fs, self.files = [], {}
-        for node in range(1 if args.local else args.nodes):
+        for node in range(0 if args.local else args.nodes):
             where = _os.path.join(self.mount, f"node{node}")
             _os.makedirs(where)
             self.fs.append(mount(args, self.source, where))
@@ -270,7 +274,9 @@ class Bench:
 
         cfg = dict(cell, result=self.result)
         env = dict(_os.environ, MPISTAGE_EMULATE_NODES=str(nodes))
-        command = [self.mpiexec, "-n", str(cell["ranks"]), _sys.executable]
+        # -m mpi4py: an exception on one rank aborts the job instead of hanging it
+        ranks = str(cell["ranks"])
+        command = [self.mpiexec, "-n", ranks, _sys.executable, "-m", "mpi4py"]
         self.reset()
         start = time.monotonic()
         done = subprocess.run(
@@ -278,7 +284,7 @@ class Bench:
             env=env,
             capture_output=True,
             text=True,
-            timeout=1800,
+            timeout=900,
         )
         if done.returncode:
             raise RuntimeError(f"cell {cell!r} failed:\n{done.stderr}")
@@ -343,7 +349,7 @@ def measure(bench, cell, nodes, size):
     """Turn one cell's driver output and simfs counters into a row."""
     with open(bench.result) as f:
         ranks = _json.load(f)
-    sums = {total for *_, total in ranks}
+    sums = {r["total"] for r in ranks}
     if len(sums) != 1:
         raise RuntimeError(f"ranks saw different arrays: {sorted(sums)}")
     stats = bench.stats()
@@ -352,9 +358,11 @@ def measure(bench, cell, nodes, size):
         cell,
         nodes=nodes,
         size=size,
-        seconds=max(seconds for *_, seconds, _ in ranks),
+        seconds=max(r["seconds"] for r in ranks),
+        read_s=max(r["steps"].get("read", 0.0) for r in ranks),
+        broadcast_s=max(r["steps"].get("broadcast", 0.0) for r in ranks),
         checksum=sums.pop(),
-        **fs_counts(stats, {pid for _, pid, *_ in ranks}),
+        **fs_counts(stats, {r["pid"] for r in ranks}),
         **node_memory(ranks, nodes),
     )
 
@@ -375,10 +383,10 @@ def node_memory(ranks, nodes):
     """Return the largest per-node sums of Pss, and of Pss gained by the load."""
     size = len(ranks)
     pss, gained = [0] * nodes, [0] * nodes
-    for rank, _, before, after, *_ in ranks:
-        node = rank * nodes // size  # MPISTAGE_EMULATE_NODES: contiguous blocks
-        pss[node] += after
-        gained[node] += after - before
+    for r in ranks:
+        node = r["rank"] * nodes // size  # MPISTAGE_EMULATE_NODES: contiguous blocks
+        pss[node] += r["after"]
+        gained[node] += r["after"] - r["before"]
     return {"node_pss_mib": max(pss) / 1024, "node_array_mib": max(gained) / 1024}
 
 
@@ -404,15 +412,21 @@ def table(rows, title):
     lines = [
         f"**{title}**",
         "",
-        "| mode | io | readers | ranks | nodes | load s | MB read from shared FS "
-        "| shared-FS ops (metadata) | ranks on shared FS | MiB per node (Pss) "
-        "| MiB per node for the array |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | io | readers | ranks | nodes | load s | read s | broadcast s "
+        "| MB read from shared FS | shared-FS ops (metadata) | ranks on shared FS "
+        "| MiB per node (Pss) | MiB per node for the array |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        steps = (
+            "| - | - "
+            if r["mode"] == "plain"
+            else (f"| {r['read_s']:.2f} | {r['broadcast_s']:.2f} ")
+        )
         lines.append(
             f"| {r['mode']} | {r['io']} | {r['readers']} | {r['ranks']} "
-            f"| {r['nodes']} | {r['seconds']:.2f} | {r['fs_bytes'] / 1e6:.0f} "
+            f"| {r['nodes']} | {r['seconds']:.2f} {steps}"
+            f"| {r['fs_bytes'] / 1e6:.0f} "
             f"| {r['fs_ops']:.0f} ({r['fs_meta_ops']:.0f}) | {r['fs_processes']:.0f} "
             f"| {r['node_pss_mib']:.0f} | {r['node_array_mib']:.0f} |"
         )

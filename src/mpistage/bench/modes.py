@@ -244,7 +244,8 @@ class StagedEnv(Mode):
         stage_stats = bench.fs.stats()
         _, stats, _ = Mode.launch(self, bench, ranks, nodes, code)
         stats["stage"] = stage_stats
-        return start, stats, {"stage_s": staged - start}
+        size = _os.path.getsize(_os.path.join(bench.source, "bundles", "env.mpistage"))
+        return start, stats, {"stage_s": staged - start, "bundle_bytes": size}
 
     def after(self, bench):
         """Remove the node-local copies, so the next cell stages afresh."""

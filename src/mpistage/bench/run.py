@@ -144,7 +144,7 @@ def measure(bench, start, stats, extra, nodes):
         ),
         "read_ops": read_ops(stats) + read_ops(stage),
         "bytes_read": stats.get("bytes", 0) + stage.get("bytes", 0),
-        "bundle_bytes": bundle_bytes(bench),
+        "bundle_bytes": extra.get("bundle_bytes") or bundle_bytes(bench),
     }
 
 

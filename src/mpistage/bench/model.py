@@ -146,27 +146,29 @@ def shared(count, cores):
 
 # -- built-in inputs: numpy, realistic layout ---------------------------------
 
-F_OPS = 2200  # python -c "from mpi4py import MPI", everything on the simulated FS
-F_BYTES = 16.2e6
+# Measured with `mpistage bench run --ranks 1,8,32 --nodes 4` (docs/benchmarks.md).
+F_OPS = 1837  # python -c "from mpi4py import MPI", everything on the simulated FS
+F_BYTES = 9.7e6
+RUN_S = 0.20  # import numpy, numpy.linalg from node-local storage, one rank
+
+
+def runner_inputs(rank0_extra):
+    """The runner's inputs: F plus finding mpistage; rank 0 reads and checks."""
+    return Inputs(
+        ops_rank=F_OPS + 161,
+        ops_rank0_extra=rank0_extra,
+        bytes_rank=F_BYTES,
+        bundle_bytes=117e6,
+        run_s=RUN_S,
+    )
+
 
 DEFAULT_INPUTS = {
-    "plain": Inputs(ops_rank=6443, bytes_rank=29.3e6, run_s=0.16),
-    "mpistage": Inputs(
-        ops_rank=F_OPS + 60,
-        ops_rank0_extra=1993,
-        bytes_rank=F_BYTES,
-        bundle_bytes=56.1e6,
-        run_s=0.16,
-    ),
-    "mpistage-trust": Inputs(
-        ops_rank=F_OPS + 60,
-        ops_rank0_extra=5,
-        bytes_rank=F_BYTES,
-        bundle_bytes=56.1e6,
-        run_s=0.16,
-    ),
+    "plain": Inputs(ops_rank=6142, bytes_rank=27.8e6, run_s=RUN_S),
+    "mpistage": runner_inputs(334),
+    "mpistage-trust": runner_inputs(213),
     "staged-env": Inputs(
-        ops_node=F_OPS + 100, bytes_node=F_BYTES, bundle_bytes=203e6, run_s=0.16
+        ops_node=2202, bytes_node=F_BYTES, bundle_bytes=200e6, run_s=RUN_S
     ),
 }
 DEFAULT_SOURCE = (
@@ -928,17 +930,6 @@ def check_machine(machine):
         raise StageError(f"--cores must be > 0, not {machine.cores!r}")
 
 
-def parse_ranks(text):
-    """Parse ``1024,16384`` into a list of positive rank counts."""
-    try:
-        ranks = [int(x) for x in text.split(",")]
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 1:
-        raise StageError(f"--ranks {text!r} must be positive whole numbers, e.g. 1024")
-    return ranks
-
-
 def gather_inputs(args, modes):
     """Return ``(label, {mode: Inputs}, notes)`` from the layered sources.
 
@@ -984,6 +975,8 @@ def check_modes(modes, inputs):
 def run_prediction(args):
     """Print the prediction table (and save the plot); return 0."""
     machine = machine_from_args(args, Machine())
+    from mpistage.bench.cli import parse_ranks
+
     ranks = parse_ranks(args.ranks)
     modes = pick_modes(args.modes)
     label, inputs, notes = gather_inputs(args, modes)

@@ -243,17 +243,22 @@ ROW_KEYS = (
 NUMBER_KEYS = ROW_KEYS[2:]
 
 
-def load_results(path):
-    """Return ``(meta, rows)`` of a ``mpistage bench run`` results file, checked."""
+def read_json(path, what):
+    """Return the JSON in the file *path* (a *what* file), or one clear error."""
     import json
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except OSError as exc:
-        raise StageError(f"cannot read results file {path!r}: {exc.strerror}") from None
+        raise StageError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
     except ValueError as exc:
-        raise StageError(f"results file {path!r} is not JSON: {exc}") from None
+        raise StageError(f"{what} file {path!r} is not JSON: {exc}") from None
+
+
+def load_results(path):
+    """Return ``(meta, rows)`` of a ``mpistage bench run`` results file, checked."""
+    data = read_json(path, "results")
     rows = data.get("rows") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise StageError(
@@ -466,15 +471,7 @@ def set_input(inputs, mode, key, value, where):
 
 def load_inputs(path, inputs):
     """Apply a JSON file ``{"mode": {"key": number, ...}, ...}`` to *inputs*."""
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise StageError(f"cannot read inputs file {path!r}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise StageError(f"inputs file {path!r} is not JSON: {exc}") from None
+    data = read_json(path, "inputs")
     if not isinstance(data, dict) or not all(
         isinstance(v, dict) for v in data.values()
     ):

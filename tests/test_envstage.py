@@ -552,3 +552,14 @@ def test_run_refuses_a_command_without_python(env_bundle, tmp_path):
     result = mpistage(["run", "--env", env_bundle, "--", *command], clean_environ())
     assert result.returncode == 1, result
     assert result.stderr.startswith("mpistage: error: no python in the command")
+
+
+def test_pack_env_of_a_venv_of_another_python(tmp_path):
+    venv = tmp_path / "old-venv"
+    (venv / "lib" / "python3.9" / "site-packages").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text(f"home = {tmp_path}/gone/bin\nversion = 3.9.7\n")
+    out = tmp_path / "old.mpistage"
+    result = mpistage(["pack", "--env", venv, "-o", out], clean_environ())
+    assert result.returncode == 1, result
+    assert result.stderr.count("\n") == 1 and "Python 3.9" in result.stderr, result
+    assert "Traceback" not in result.stderr

@@ -43,12 +43,14 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mpistage import StageError
+
 VERSION = "1.0"
 MODULUS = 1000003
 _PROG = "mpistage"
 
 
-class GenerateError(Exception):
+class GenerateError(StageError):
     """A user-facing generator error: printed as one line, no traceback."""
 
 

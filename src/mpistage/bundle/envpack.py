@@ -110,6 +110,8 @@ def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
             "pack --env reads ELF files with pyelftools: pip install 'mpistage[env]'"
         ) from None
     env = Env(prefix or _sys.prefix)
+    if env.base:
+        check_base(env)
     roots = Selection(exclude=DEFAULT_EXCLUDE + tuple(exclude))
     take_env(roots, env)
     if env.base:
@@ -124,11 +126,22 @@ def take_env(roots, env):
     for entry in sorted(_os.listdir(env.prefix)):
         if entry not in skip:
             roots.take(env.prefix, _os.path.join(env.prefix, entry))
-    if env.base:
-        bindir = _os.path.join(env.prefix, "bin")
+    bindir = _os.path.join(env.prefix, "bin")
+    if env.base and _os.path.isdir(bindir):
         for name in _os.listdir(bindir):
             if name.startswith("python"):
                 roots.files[env.prefix].discard(_os.path.join(bindir, name))
+
+
+def check_base(env):
+    """Refuse a venv whose base interpreter is not here, with one clear line."""
+    lib = f"python{env.version}"
+    if not _os.path.isdir(_os.path.join(env.base, "lib", lib)):
+        raise StageError(
+            f"the venv {env.prefix!r} was made from Python {env.version} in "
+            f"{env.base!r}, whose standard library is not there: pack the venv "
+            "on a machine that has its base interpreter"
+        )
 
 
 def take_base(roots, env):

@@ -3,8 +3,8 @@
 A thin shell over :class:`~mpistage.runtime.session.Session`. It mirrors
 ``python -m mpi4py``: ``sys.argv``, ``__main__`` and exit codes behave as with
 plain python, and an unhandled exception or a nonzero exit on any rank
-prints its traceback and ends the whole job with ``MPI_Abort``, after this
-node's copy is removed. Errors of the steps are agreed by all ranks: rank 0
+prints its traceback and ends the whole job with ``MPI_Abort`` (each node's
+watchdog then removes its copy). Errors of the steps are agreed by all ranks: rank 0
 prints one ``mpistage: error:`` line and every rank exits with status 1.
 """
 
@@ -189,10 +189,15 @@ class Runner:
         self.session.seconds["run"] = _time.perf_counter() - start
 
     def abort(self, exc):
-        """Remove this node's copy, show what went wrong, end the whole job."""
+        """Show what went wrong and end the whole job.
+
+        The copies are not removed here: other ranks of the node may still be
+        importing from them. ``MPI_Abort`` ends every rank, and each leader's
+        watchdog removes its node's copy when the leader is gone.
+        """
         from mpistage.runtime.collective import abort
 
-        self.session.abandon()
+        self.session.closed = True
         if isinstance(exc, SystemExit):
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=_sys.stderr)
@@ -200,6 +205,7 @@ class Runner:
             _sys.excepthook(type(exc), exc, exc.__traceback__)
         _sys.stdout.flush()
         _sys.stderr.flush()
+        _time.sleep(0.1)  # Let the launcher forward what this rank printed.
         abort(self.world, exit_status(exc))
 
     def finish(self):

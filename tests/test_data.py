@@ -375,6 +375,46 @@ emit(out)
 """
 
 
+AS_ARRAY = """
+x = data.load(FILES["c"], comm=comm)
+ref = np.load(FILES["c"])
+out = {
+    "ndarray": isinstance(x, np.ndarray),
+    "asarray": np.array_equal(np.asarray(x), ref),
+    "shape": list(x.shape),
+    "row": np.array_equal(x[0], ref[0]),
+    "sum": float(x.sum()),
+    "plus": type(x + 1).__name__,
+    "read only": not x.flags.writeable,
+}
+with data.load(FILES["f"], comm=comm) as f:
+    same = np.array_equal(f, np.load(FILES["f"]))
+    out["fortran"] = bool(f.flags.f_contiguous) and same
+out["closed"] = f.closed
+emit(out)
+"""
+
+
+def test_load_returns_an_array(tmp_path, stage_env, files):
+    target = write_target(tmp_path / "t.py", PRELUDE + AS_ARRAY)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(4, [target, json.dumps(files)], env)
+    assert result.returncode == 0, result
+    ref = np.load(files["c"])
+    for found in results(env, 4):
+        assert found == {
+            "ndarray": True,
+            "asarray": True,
+            "shape": list(ref.shape),
+            "row": True,
+            "sum": float(ref.sum()),
+            "plus": "ndarray",
+            "read only": True,
+            "fortran": True,
+            "closed": True,
+        }
+
+
 def bad_cases(files, folder):
     """Return {case: (path, keywords, what the message must say)}."""
     folder = Path(folder)

@@ -5,7 +5,6 @@ Bundles here are crafted byte by byte from the documented format
 means to be hostile is hostile.
 """
 
-import hashlib
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from crafttools import craft
 from mpistage.runtime import format as fmt
 from stagetools import (
     MPIEXEC,
@@ -28,37 +28,6 @@ from stagetools import (
 )
 
 QUICK = 20  # seconds an error path may take, at most
-
-
-def craft(path, members, roots=None, kind="packages", raw=None):
-    """Write a bundle of *members* (dicts; file data under "data") to *path*."""
-    roots = roots or [{"path": str(Path(path).parent / "site"), "listing": []}]
-    data, listed = bytearray(), []
-    for member in members:
-        member = {"root": 0, "mode": 0o644, "mtime_ns": 0, **member}
-        if member["type"] == "file":
-            content = member.pop("data", b"x")
-            offset = fmt.HEADER_SIZE + len(data)
-            digest = hashlib.sha256(content).hexdigest()
-            member.update(offset=offset, size=len(content), sha256=digest)
-            data += content
-        listed.append(member)
-    manifest = {
-        "format": 1,
-        "kind": kind,
-        "created_by": "test",
-        "created": "now",
-        "python": fmt.python_tag(),
-        "packages": [],
-        "roots": roots,
-        "members": listed,
-    }
-    raw = json.dumps(manifest).encode() if raw is None else raw
-    offset = fmt.HEADER_SIZE + len(data)
-    digest = hashlib.sha256(raw).digest()
-    header = fmt.HEADER.pack(fmt.MAGIC, fmt.FORMAT, 0, offset, len(raw), digest)
-    Path(path).write_bytes(header.ljust(fmt.HEADER_SIZE, b"\0") + data + raw)
-    return Path(path)
 
 
 def run_bundle(bundle, env, ranks=2, nodes=2, extra=("--trust",)):

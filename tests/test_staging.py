@@ -9,6 +9,7 @@ import pytest
 
 from mpistage import StageError
 from mpistage.runtime import place as stage
+from mpistage.runtime.extract import Footprint
 from stagetools import EMIT, job_dirs, mpirun_status, mpistage, results, uid_dir
 
 pytestmark = pytest.mark.usefixtures("reap_mpich_shm")
@@ -33,6 +34,11 @@ def write_owner(root, **fields):
     """Write an owner record as a job's leader does."""
     text = "".join(f"{k}={v}\n" for k, v in dict(kind="job", **fields).items())
     (root / ".mpistage-owner").write_text(text)
+
+
+def footprint(size):
+    """What a bundle of one file of *size* bytes takes."""
+    return Footprint({"members": [{"type": "file", "size": size}]})
 
 
 def mode(path):
@@ -103,60 +109,56 @@ def plant_symlink(stage_dir, tmp_path):
     return elsewhere
 
 
-def test_symlinked_user_dir_is_refused(tmp_path, stage_env, stage_dir, tiny):
-    elsewhere = plant_symlink(stage_dir, tmp_path)
-    result, status = run_tiny(stage_env, tiny)
-    assert result.returncode == 1 and status == {0: 1, 1: 1}, result
-    assert len(result.errors()) == 1, result
-    assert "symlink" in result.errors()[0]
-    assert str(uid_dir(stage_dir)) in result.errors()[0]
-    assert list(elsewhere.iterdir()) == []
-    assert uid_dir(stage_dir).is_symlink()
-
-
-def test_dangling_symlink_user_dir_is_refused(tmp_path, stage_env, stage_dir, tiny):
+def plant_dangling(stage_dir, tmp_path):
     target = tmp_path / "not-yet"
     uid_dir(stage_dir).symlink_to(target)
-    result, _ = run_tiny(stage_env, tiny)
-    assert result.returncode == 1, result
-    assert len(result.errors()) == 1 and "symlink" in result.errors()[0]
-    assert not target.exists()
+    return target
 
 
-def test_symlink_skipped_for_next_candidate(tmp_path, stage_env, stage_dir, tiny):
-    elsewhere = plant_symlink(stage_dir, tmp_path)
-    second = tmp_path / "second"
-    second.mkdir()
-    stage_env["MPISTAGE_STAGE_DIR"] = f"{stage_dir}{os.pathsep}{second}"
-    result, status = run_tiny(stage_env, tiny, extra=["--keep"])
-    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
-    assert list(elsewhere.iterdir()) == []
-    assert len(job_dirs(second)) == 2
-    assert all(f.startswith(str(second) + os.sep) for f in results(stage_env, 2))
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown to another uid")
-def test_foreign_user_dir_is_refused(stage_env, stage_dir, tiny):
+def plant_foreign(stage_dir, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown to another uid")
     planted = uid_dir(stage_dir)
     planted.mkdir(mode=0o700)
     os.chown(planted, 12345, 12345)
-    result, status = run_tiny(stage_env, tiny)
-    assert result.returncode == 1 and status == {0: 1, 1: 1}, result
-    assert len(result.errors()) == 1, result
-    assert "owned by uid 12345" in result.errors()[0]
-    assert list(planted.iterdir()) == []
+    return planted
 
 
-@pytest.mark.parametrize("bits", [0o770, 0o707, 0o777])
-def test_writable_user_dir_is_refused(stage_env, stage_dir, tiny, bits):
-    planted = uid_dir(stage_dir)
-    planted.mkdir()
-    planted.chmod(bits)
+def plant_writable(bits):
+    def plant(stage_dir, tmp_path):
+        planted = uid_dir(stage_dir)
+        planted.mkdir()
+        planted.chmod(bits)
+        return planted
+
+    return plant
+
+
+PLANTED = {
+    "symlink": plant_symlink,
+    "dangling symlink": plant_dangling,
+    "another user's": plant_foreign,
+    "group-writable": plant_writable(0o770),
+    "world-writable": plant_writable(0o707),
+    "writable by all": plant_writable(0o777),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_unsafe_user_dir_is_passed_over_for_a_private_one(
+    tmp_path, stage_env, stage_dir, tiny, case
+):
+    planted = PLANTED[case](stage_dir, tmp_path)
+    before = os.lstat(uid_dir(stage_dir))
     result, status = run_tiny(stage_env, tiny)
-    assert result.returncode == 1 and status == {0: 1, 1: 1}, result
-    assert len(result.errors()) == 1, result
-    assert f"writable by others (mode {bits:o})" in result.errors()[0]
-    assert list(planted.iterdir()) == []
+    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
+    for found in results(stage_env, 2):
+        used = found[len(str(stage_dir)) + 1 :].split(os.sep)[0]
+        assert used.startswith(f"mpistage-{os.getuid()}-"), found
+    after = os.lstat(uid_dir(stage_dir))
+    assert (after.st_mode, after.st_uid) == (before.st_mode, before.st_uid)
+    assert not planted.exists() or planted.is_symlink() or not any(planted.iterdir())
+    assert sorted(p.name for p in stage_dir.iterdir()) == [uid_dir(stage_dir).name]
 
 
 def test_user_dir_of_an_earlier_job_is_reused(stage_env, stage_dir, tiny):
@@ -191,7 +193,7 @@ def test_candidate_order(monkeypatch, tmp_path):
     monkeypatch.setenv("MPISTAGE_STAGE_DIR", "")
     assert stage.candidates() == []
     with pytest.raises(StageError, match="no usable staging root: none given"):
-        stage.make_root("job", 0, 1)
+        stage.make_root("job", 0, footprint(1))
 
 
 def test_default_candidate_is_dev_shm(monkeypatch):
@@ -200,7 +202,7 @@ def test_default_candidate_is_dev_shm(monkeypatch):
     monkeypatch.delenv("MPISTAGE_STAGE_DIR", raising=False)
     monkeypatch.delenv("MPISTAGE_STAGE_FALLBACK", raising=False)
     existed = uid_dir("/dev/shm").exists()
-    root = stage.make_root(f"pytest-{os.getpid()}", 0, 1)
+    root = stage.make_root(f"pytest-{os.getpid()}", 0, footprint(1))
     path = root.path
     try:
         assert path.startswith(f"/dev/shm/mpistage-{os.getuid()}/job-pytest-")
@@ -221,7 +223,7 @@ def test_candidates_without_room_are_refused(monkeypatch, tmp_path):
     free = os.statvfs(first)
     need = free.f_bavail * free.f_frsize * 4 + 1
     with pytest.raises(StageError) as info:
-        stage.make_root("job", 0, need)
+        stage.make_root("job", 0, footprint(need))
     message = str(info.value)
     assert message.startswith("no usable staging root")
     assert str(first) in message and str(second) in message and "needed" in message

@@ -5,16 +5,21 @@
     from mpistage import data
     with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
         digest = hashlib.sha256(buf.view).hexdigest()
-    weights = data.load("/scratch/weights.npy", comm=comm).array  # read-only
+    weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
 
 Both calls are collective over *comm* and run the same steps on every rank
 (see docs/data.md):
 
+- arguments: every rank must pass the same ones (path, readers, io, and
+  for ``load`` member, dtype, shape, order, offset); rank 0's are compared
+  with each rank's before anything else, and a difference is one error;
 - topology: *comm* → node communicators (real ones, or the emulated ones of
   ``MPISTAGE_EMULATE_NODES``) → the communicator of node leaders;
 - open: *readers* ranks open the file, spread over the nodes; no other rank
-  opens or stats it. The first reader also finds where the array's bytes
-  are (.npy header, .npz member);
+  opens or stats it. Only a regular file is read (the open does not block
+  on a FIFO). The first reader also finds where the array's bytes are (.npy
+  header, .npz member); the other readers check that they opened the same
+  file (inode, size, mtime);
 - allocate: each node leader checks that its node has room (MemAvailable),
   then allocates the node's copy as an MPI shared-memory window, which the
   node's other ranks map;
@@ -32,13 +37,12 @@ the same ranks, or at interpreter exit, always before MPI is finalized.
 
 import atexit as _atexit
 import os as _os
-import stat as _stat
 import sys as _sys
 import time as _time
 
 from mpistage import StageError
 
-__all__ = ["SharedArray", "SharedBuffer", "load", "read"]
+__all__ = ["SharedArray", "SharedBuffer", "load", "read"]  # noqa: F822 (lazy)
 
 IO_METHODS = ("posix", "mpiio")
 READ_SIZE = 64 << 20
@@ -51,6 +55,7 @@ MPIIO_HINTS = {
 }
 
 _SEGMENTS = []  # this rank's live node copies, in the order they were made
+_PID = _os.getpid()  # a forked child never frees the parent's copies
 
 
 # -- the public API -------------------------------------------------------------
@@ -62,7 +67,7 @@ def read(path, comm=None, *, readers=1, io="posix"):
     *readers* ranks open and read the file (one by default), through plain
     reads (``io="posix"``) or MPI-IO collective reads (``io="mpiio"``).
     """
-    job = _share(comm, path, readers, io, _whole)
+    job = _share(comm, path, readers, io, _whole, ())
     return SharedBuffer(job.segment, job.view, job.path, job.seconds)
 
 
@@ -82,12 +87,21 @@ def load(
 
     A ``.npy`` file; a stored member of a ``.npz`` file (*member*, with or
     without ``.npy``); or, given *dtype*, a raw file of *shape* (default:
-    one dimension) in *order* from byte *offset* on.
+    one dimension) in *order* from byte *offset* on. The result *is* a
+    read-only ``numpy.ndarray`` on the node's copy.
     """
     locate = _locator(member, dtype, shape, order, offset)
-    job = _share(comm, path, readers, io, locate)
+    more = (("member", member), ("dtype", _dtype_name(dtype)), ("shape", shape))
+    more += (("order", order), ("offset", offset))
+    job = _share(comm, path, readers, io, locate, more)
     meta = job.layout.meta
-    return SharedArray(job.segment, job.view, job.path, job.seconds, meta)
+    return _array_type().on_copy(job.segment, job.view, job.path, job.seconds, meta)
+
+
+def __getattr__(name):
+    if name == "SharedArray":
+        return _array_type()
+    raise AttributeError(f"module 'mpistage.data' has no attribute {name!r}")
 
 
 class SharedBuffer:
@@ -159,50 +173,117 @@ class SharedBuffer:
             raise ValueError(f"the shared copy of {self.path!r} is closed")
 
 
-class SharedArray(SharedBuffer):
-    """An array stored in one file: this node's read-only copy, as numpy sees it.
+_ARRAY_TYPE = []  # the SharedArray class, made with numpy on first use
 
-    :attr:`array` is a read-only :class:`numpy.ndarray` on the node's shared
-    memory; ``numpy.asarray(shared)`` returns it too. :attr:`view` holds its
-    raw bytes. Lifetime and :meth:`close` are those of :class:`SharedBuffer`.
-    """
 
-    def __init__(self, segment, view, path, seconds, meta):
-        import numpy
+def _array_type():
+    """Return :class:`SharedArray`, a ``numpy.ndarray`` subclass (imports numpy)."""
+    if not _ARRAY_TYPE:
+        _ARRAY_TYPE.append(_make_array_type())
+    return _ARRAY_TYPE[0]
 
-        super().__init__(segment, view, path, seconds)
-        dtype, shape, fortran = meta
-        # frombuffer keeps the read-only memoryview as the base: numpy then
-        # refuses ``flags.writeable = True``, which it would allow with a base
-        # that is writable underneath (as ``numpy.ndarray(buffer=...)`` sets).
-        flat = numpy.frombuffer(view, dtype)
-        self._array = flat.reshape(shape, order="F" if fortran else "C")
-        self._array.flags.writeable = False
 
-    @property
-    def array(self):
-        """The read-only ndarray on this node's copy."""
-        self._check_open()
-        return self._array
+def _make_array_type():
+    """Define :class:`SharedArray` on top of ``numpy.ndarray``."""
+    import numpy
 
-    def __array__(self, dtype=None, copy=None):
-        array = self.array
-        if dtype is None or array.dtype == dtype:
-            return array.copy() if copy else array
-        if copy is False:
-            raise ValueError(f"dtype {dtype!r} needs a copy of the shared array")
-        return array.astype(dtype)
+    class SharedArray(numpy.ndarray):
+        """An array stored in one file: this node's read-only copy, an ndarray.
 
-    def _forget(self):
-        self._array = None
-        return super()._forget()
+        It *is* a read-only ``numpy.ndarray`` on the node's shared memory:
+        ``numpy.asarray``, ``.shape``, indexing and methods work as on any
+        array. Results of arithmetic are ordinary arrays of their own.
+        :meth:`close` (collective) and ``with`` let go of the copy; the
+        memory is freed once no rank of the node holds any view of it
+        (this array, its slices, ``numpy.asarray`` of it) any more.
+        :attr:`path` and :attr:`seconds` are those of :class:`SharedBuffer`.
+        """
+
+        @classmethod
+        def on_copy(cls, segment, view, path, seconds, meta):
+            """Return the array of *meta* (dtype, shape, Fortran order) on *view*."""
+            dtype, shape, fortran = meta
+            # frombuffer keeps the read-only memoryview as the base: numpy then
+            # refuses ``flags.writeable = True``.
+            flat = numpy.frombuffer(view, dtype)
+            array = flat.reshape(shape, order="F" if fortran else "C").view(cls)
+            array.flags.writeable = False
+            array._copy = _Copy(segment, path, seconds)
+            return array
+
+        def __array_finalize__(self, obj):
+            self._copy = getattr(obj, "_copy", None)
+
+        def __array_wrap__(self, array, context=None, return_scalar=False):
+            if return_scalar:
+                return array[()]
+            return array.view(numpy.ndarray)
+
+        @property
+        def path(self):
+            """The data file's path."""
+            return self._copy.path if self._copy else None
+
+        @property
+        def seconds(self):
+            """This rank's seconds in each step (open, allocate, read, broadcast)."""
+            return dict(self._copy.seconds) if self._copy else {}
+
+        @property
+        def closed(self):
+            """Whether :meth:`close` was called."""
+            return self._copy is None or self._copy.closed
+
+        @property
+        def array(self):
+            """The same array, as a plain ``numpy.ndarray``."""
+            return self.view(numpy.ndarray)
+
+        def close(self):
+            """Let go of the node's copy; collective over the ranks of the node."""
+            if self._copy is not None:
+                self._copy.close()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, exc_type, exc, tb):
+            if self._copy is not None:
+                self._copy.leave(exc_type is None)
+
+    SharedArray.__module__, SharedArray.__qualname__ = __name__, "SharedArray"
+    return SharedArray
+
+
+class _Copy:
+    """What a :class:`SharedArray` and the views made from it share: the copy."""
+
+    def __init__(self, segment, path, seconds):
+        self.segment, self.path, self.seconds = segment, path, dict(seconds)
+        self.closed = False
+
+    def close(self):
+        """Let go of the copy (collective on the node); the memory goes unused."""
+        self.leave(True)
+
+    def leave(self, collective):
+        """Forget the segment; free unused copies if *collective*."""
+        if self.closed:
+            return
+        segment, self.segment, self.closed = self.segment, None, True
+        if segment is not None and collective:
+            _sweep(segment.node)
 
 
 # -- the steps, run by every rank -----------------------------------------------
 
 
-def _share(comm, path, readers, io, locate):
-    """Run the collective steps; return the finished :class:`_Job`."""
+def _share(comm, path, readers, io, locate, more):
+    """Run the collective steps; return the finished :class:`_Job`.
+
+    *more* are the other arguments of the call, as (name, value) pairs,
+    which every rank must pass alike too.
+    """
     if comm is None:
         from mpi4py import MPI
 
@@ -214,6 +295,8 @@ def _share(comm, path, readers, io, locate):
     from mpistage.runtime.topology import discover
 
     path = attempt(comm, _check_args, path, readers, io, comm.size)
+    given = (("path", path), ("readers", readers), ("io", io)) + tuple(more)
+    attempt(comm, _same_everywhere, comm, tuple((k, repr(v)) for k, v in given))
     job = _Job(comm, attempt(comm, discover, comm), path, readers, io)
     try:
         _sweep(job.topo.node)
@@ -277,6 +360,34 @@ def _check_args(path, readers, io, ranks):
     return path
 
 
+def _same_everywhere(comm, given):
+    """Raise unless every rank of *comm* passed the arguments rank 0 passed.
+
+    *given* holds (name, repr of the value) pairs, the same on all ranks
+    of a correct program. A collective call with other arguments on some
+    ranks would mix files or hang.
+    """
+    theirs = comm.bcast(given if comm.rank == 0 else None, root=0)
+    for (name, value), (_, first) in zip(given, theirs, strict=True):
+        if value != first:
+            raise StageError(
+                f"the ranks' arguments differ: {name}={first} on rank 0, "
+                f"{name}={value} on rank {comm.rank}; every rank must pass the same"
+            )
+
+
+def _dtype_name(dtype):
+    """Return a name for *dtype* that is the same however it was spelled."""
+    if dtype is None:
+        return None
+    try:
+        import numpy
+
+        return numpy.dtype(dtype).str
+    except Exception:  # noqa: BLE001  (refused with its reason later)
+        return repr(dtype)
+
+
 class _Job:
     """One collective read on one rank: communicators, role, file, layout."""
 
@@ -286,6 +397,7 @@ class _Job:
         here = (topo.index, topo.node.rank)
         self.slot = self.slots.index(here) if here in self.slots else None
         self.fd = self.size = self.layout = self.segment = self.view = None
+        self.identity = None
         self.rcomm = self.file = None
         self.seconds, self.last = {}, _time.perf_counter()
 
@@ -350,28 +462,30 @@ def _open(job, locate):
     """Readers open the file; the first one also finds the data's layout."""
     if job.slot is None or (job.io == "mpiio" and job.slot != 0):
         return
-    job.fd, job.size = _open_file(job.path)
+    job.fd, job.size, job.identity = _open_file(job.path)
     if job.slot == 0:
         job.layout = locate(job.path, job.fd, job.size)
+        job.layout.identity = job.identity
 
 
 def _open_file(path):
-    """Open the regular file *path* for reading; return (fd, size)."""
-    try:
-        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-    except OSError as exc:
-        raise StageError(f"cannot read data file {path!r}: {exc.strerror}") from None
+    """Open the regular file *path* for reading; return (fd, size, identity)."""
+    from mpistage.runtime.read import open_regular
+
+    fd = open_regular(path, "data file")
     st = _os.fstat(fd)
-    if not _stat.S_ISREG(st.st_mode):
-        _os.close(fd)
-        raise StageError(f"cannot read data file {path!r}: not a regular file")
-    return fd, st.st_size
+    return fd, st.st_size, (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _prepare(job):
-    """Other readers check the size they see; leaders check their node's room."""
+    """Other readers check they see the file the first saw; leaders check room."""
     if job.fd is not None and job.slot != 0:
         _check_size(job, job.size)
+        if job.identity != job.layout.identity:
+            raise StageError(
+                f"data file {job.path!r} is not the same file on every reader "
+                "(it was replaced, or the path names another file on this node)"
+            )
     if job.topo.is_leader:
         _check_room(job.path, job.layout.length, job.topo.index)
 
@@ -507,6 +621,7 @@ class _Layout:
 
     def __init__(self, start, length, size, meta=None):
         self.start, self.length, self.size, self.meta = start, length, size, meta
+        self.identity = None
 
 
 def _whole(path, fd, size):
@@ -567,9 +682,11 @@ def _npy(path, fd, base, end, size):
         try:
             version = fmt.read_magic(f)
             shape, fortran, dtype = _header_reader(fmt, version)(f)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001  (numpy raises several kinds)
             raise StageError(f"{path!r} is no .npy file: {_one_line(exc)}") from None
         start = f.tell()
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise StageError(f"{path!r} is no .npy file: bad shape {shape!r}")
     if dtype.hasobject:
         raise StageError(
             f"{path!r} holds Python objects (dtype {dtype}), which only "
@@ -724,7 +841,7 @@ def _free_all():
     handlers), and only if MPI still runs.
     """
     mpi = _sys.modules.get("mpi4py.MPI")
-    if not _SEGMENTS or mpi is None or mpi.Is_finalized():
+    if not _SEGMENTS or mpi is None or mpi.Is_finalized() or _os.getpid() != _PID:
         return
     for segment in list(_SEGMENTS):
         segment.free()

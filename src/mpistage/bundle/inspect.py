@@ -1,4 +1,9 @@
-"""What a bundle holds, from its manifest alone: :func:`mpistage.inspect`."""
+"""What a bundle holds, from its manifest alone: :func:`mpistage.inspect`.
+
+A bundle is untrusted input, and its names go to a terminal: :func:`render`
+escapes every character that is not printable (``\\x1b`` for an escape
+sequence), and takes any field it shows as text, whatever its type.
+"""
 
 
 def largest(manifest, count=10):
@@ -12,12 +17,13 @@ def environment(manifest):
     env = manifest.get("env")
     if env:
         base = f" with base {env['base']}" if env.get("base") else ""
-        libs = ", ".join(env["libraries"]) or "none"
+        libs = ", ".join(map(str, env.get("libraries") or [])) or "none"
         return [
-            f"environment: {env['kind']} {env['prefix']}{base}",
+            f"environment: {env.get('kind')} {env.get('prefix')}{base}",
             f"libraries from outside it: {libs}",
         ]
-    return [f"packages: {', '.join(manifest['packages']) or '(whole directories)'}"]
+    packages = ", ".join(map(str, manifest.get("packages") or []))
+    return [f"packages: {packages or '(whole directories)'}"]
 
 
 def recorded(manifest):
@@ -31,17 +37,31 @@ def recorded(manifest):
     return [f"recorded: {command} (granularity {info.get('granularity')})"]
 
 
+def printable(text):
+    """Return *text* with every unprintable character escaped, as ``repr`` does."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def render(manifest):
-    """Return the summary of *manifest* as text."""
+    """Return the summary of *manifest* as text, safe for a terminal."""
+    return "\n".join(printable(line) for line in summary(manifest))
+
+
+def summary(manifest):
+    """Return the lines of the summary of *manifest*, as the manifest says."""
     from mpistage.runtime.format import original_path
 
     files = [m for m in manifest["members"] if m["type"] == "file"]
     py = manifest["python"]
-    lines = [
-        f"made by: mpistage {manifest['created_by']} {manifest.get('mpistage', '')}"
-        f" on {manifest['created']}",
+    return [
+        f"made by: mpistage {manifest.get('created_by')} "
+        f"{manifest.get('mpistage', '')} on {manifest.get('created')}",
         *recorded(manifest),
-        f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})",
+        f"python: {py.get('implementation')} {py.get('version')} "
+        f"({py.get('ext_suffix')})",
         *environment(manifest),
         "roots:",
         *(
@@ -56,7 +76,6 @@ def render(manifest):
             for m in largest(manifest)
         ),
     ]
-    return "\n".join(lines)
 
 
 def inspect(bundle):

@@ -37,8 +37,10 @@ def main(argv):
 
 
 def error(message):
-    """Print the one-line error of the command line."""
-    print(f"mpistage: error: {message}", file=_sys.stderr, flush=True)
+    """Print the one-line error of the command line, control characters escaped."""
+    from mpistage.bundle.inspect import printable
+
+    print(f"mpistage: error: {printable(message)}", file=_sys.stderr, flush=True)
 
 
 def unknown(word):

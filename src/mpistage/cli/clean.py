@@ -39,50 +39,47 @@ def clean(folder=None, dry_run=False):
 
 def clean_roots(dry_run=False):
     """Remove this user's stale staging roots on this host; return their paths."""
-    from mpistage.runtime.place import candidates, open_safe, remove_entry
+    from mpistage.runtime.place import candidates, open_safe, user_dirs
 
     found = []
     for candidate in candidates():
         try:
-            real, fd = open_safe(_os.path.join(candidate, f"mpistage-{_os.getuid()}"))
+            real, fd = open_safe(candidate)
         except (StageError, OSError):
             continue
         try:
-            for name in stale_in(fd):
-                found.append(f"{real}/{name}")
-                if not dry_run:
-                    remove_entry(fd, name)
+            for name in user_dirs(fd):
+                found += clean_user_dir(fd, f"{real}/{name}", name, dry_run)
         finally:
             _os.close(fd)
     return found
 
 
-def stale_in(fd):
-    """Yield the names of the stale roots in this user's directory *fd*."""
-    from mpistage.runtime.place import DIR_FLAGS, read_owner
+def clean_user_dir(candidate_fd, path, name, dry_run):
+    """Remove the stale roots in one of this user's directories; return their paths."""
+    from mpistage.runtime.place import DIR_FLAGS, check_own, remove_entry, stale_roots
 
-    host = _os.uname().nodename
-    for name in sorted(_os.listdir(fd)):
-        try:
-            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
-        except OSError:
-            continue
-        try:
-            owner = read_owner(root_fd)
-        finally:
-            _os.close(root_fd)
-        if owner and owner.get("host") == host and not alive(owner.get("pid")):
-            yield name
-
-
-def alive(pid):
-    """Whether a process with *pid* runs on this host (a zombie does not)."""
     try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, ValueError, TypeError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
+    except OSError:
+        return []
+    found = []
+    try:
+        check_own(_os.fstat(fd), path, True)
+        for root in list(stale_roots(fd, kept_too=True)):
+            found.append(f"{path}/{root}")
+            if not dry_run:
+                remove_entry(fd, root)
+    except StageError:
+        return []  # Somebody else's (a squatter's): not ours to clean.
+    finally:
+        _os.close(fd)
+    if name != f"mpistage-{_os.getuid()}" and not dry_run:
+        try:
+            _os.rmdir(name, dir_fd=candidate_fd)  # A private directory, now empty.
+        except OSError:
+            pass
+    return found
 
 
 def clean_stage(folder, dry_run=False):

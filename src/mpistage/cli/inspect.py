@@ -18,7 +18,7 @@ def main(argv):
     import os
 
     from mpistage import inspect
-    from mpistage.bundle.inspect import render
+    from mpistage.bundle.inspect import printable, render
 
     args = parser().parse_args(argv)
     manifest = inspect(args.bundle)
@@ -27,6 +27,6 @@ def main(argv):
 
         print(json.dumps(manifest, indent=1))
     else:
-        print(f"bundle: {os.path.abspath(args.bundle)}")
+        print(printable(f"bundle: {os.path.abspath(args.bundle)}"))
         print(render(manifest))
     return 0

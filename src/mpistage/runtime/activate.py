@@ -21,7 +21,7 @@ Activation changes four things, and :func:`deactivate` undoes them:
 import os as _os
 import sys as _sys
 
-CHILD_PLAN = ".mpistage-plan.pickle"
+CHILD_PLAN = ".mpistage-plan.json"
 CHILD_ENV = "MPISTAGE_CHILD"
 
 
@@ -311,12 +311,19 @@ def deactivate(activation):
 
 
 def write_plan(staged):
-    """Leader: write what a child needs to activate the copy, into the copy."""
-    import pickle
+    """Leader: write what a child needs to activate the copy, into the copy.
 
-    path = _os.path.join(staged.path, CHILD_PLAN)
-    with open(path, "wb") as f:
-        pickle.dump((staged.path, staged.manifest), f)
+    The plan is JSON (a child never unpickles anything from the tree), under
+    a name no bundle member may have (``.mpistage*``), created new without
+    following a link.
+    """
+    import json
+
+    data = json.dumps({"path": staged.path, "manifest": staged.manifest})
+    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
+    fd = _os.open(CHILD_PLAN, flags, 0o600, dir_fd=staged.root.fd)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(data)
 
 
 def inherit(staged):
@@ -348,13 +355,14 @@ def restore(saved):
 
 def activate_child(plan):
     """In a child process: activate the copy the *plan* file describes."""
-    import pickle
+    import json
 
     from mpistage.runtime.stage import Staged
 
-    with open(plan, "rb") as f:
-        path, manifest = pickle.load(f)
-    activate(Staged(path, manifest, 0), children=False)
+    fd = _os.open(plan, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC)
+    with open(fd, encoding="utf-8") as f:
+        found = json.load(f)
+    activate(Staged(found["path"], found["manifest"], 0), children=False)
 
 
 def classify(activation):

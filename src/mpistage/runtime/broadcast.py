@@ -6,6 +6,10 @@ the 2 GiB count limit of many MPI libraries whatever the bundle's size.
 Tests set :data:`CHUNK_SIZE` to a few bytes to exercise the chunked path.
 The size goes first, as a 64-bit integer, so a receiver can refuse a size
 it has no memory for before anything else is sent.
+
+Python objects (a checked manifest, a verdict) go the same way
+(:func:`share`): rank 0 pickles them first and every rank agrees on that,
+so rank 0 never fails inside a broadcast the others are already in.
 """
 
 CHUNK_SIZE = 64 * 1024 * 1024
@@ -32,6 +36,17 @@ def chunks(comm, view, root=0):
     step = max(1, int(CHUNK_SIZE))
     for start in range(0, len(view), step):
         wait(comm.Ibcast([view[start : start + step], MPI.BYTE], root=root))
+
+
+def share(comm, value):
+    """Return rank 0's *value* on every rank of *comm* (collective)."""
+    import pickle
+
+    from mpistage.runtime.collective import attempt
+
+    blob = attempt(comm, lambda: pickle.dumps(value) if comm.rank == 0 else None)
+    data = broadcast(comm, blob)
+    return value if comm.rank == 0 else pickle.loads(data)
 
 
 def broadcast(leaders, buf, allocate=bytearray):

@@ -1,7 +1,8 @@
 """Every exit path removes the node's copy: the leader's guards.
 
 A node's copy must not outlive its job, however the job ends. Each leader
-guards its root three ways:
+guards its root from the moment it exists, before the first byte is written,
+three ways:
 
 - the normal path (success, a nonzero exit, an exception) removes it in
   :func:`release`, which needs no MPI, so it also works after the program
@@ -16,8 +17,11 @@ guards its root three ways:
   leader being killed (``MPI_Abort`` kills the other ranks with SIGKILL,
   as does the batch system after its grace time).
 
-Roots that survive even this (a node that crashed) are removed by
-``mpistage clean``.
+Only the process that made a guard ends it: a forked child that exits (or
+gets a signal) leaves its parent's copy alone. Roots that survive even this
+(a launcher that kills a whole step, watchdogs included; a node that
+crashed) are removed by the next job of the same user on the node
+(:func:`mpistage.runtime.place.reap`) or by ``mpistage clean``.
 """
 
 import _signal
@@ -33,6 +37,7 @@ class Guard:
 
     def __init__(self, root):
         self.root, self.pid, self.pipe = root, None, None
+        self.owner = _os.getpid()
         try:
             self.pid, self.pipe = spawn_watchdog(root.path)
         except OSError:
@@ -71,13 +76,29 @@ def release(root):
     """Remove *root* and retire its watchdog (the normal path, no MPI needed)."""
     from mpistage.runtime.place import remove
 
-    if root is None:
+    if root is None or not mine(root):
         return
     remove(root)
     entry = _guarded.pop(root.path, None)
     if entry is not None and entry.pipe is not None:
         _os.close(entry.pipe)
         reap(entry.pid)
+
+
+def disarm(root):
+    """Stop guarding *root*, which stays (``--keep``): end its watchdog."""
+    entry = _guarded.pop(root.path, None)
+    if entry is None or entry.pipe is None:
+        return
+    _os.kill(entry.pid, _signal.SIGKILL)
+    _os.close(entry.pipe)
+    reap(entry.pid)
+
+
+def mine(root):
+    """Whether this process made the guard of *root* (not a forked child)."""
+    entry = _guarded.get(root.path)
+    return entry is None or entry.owner == _os.getpid()
 
 
 def reap(pid):

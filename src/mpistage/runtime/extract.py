@@ -24,6 +24,26 @@ class NoSpace(StageError):
     """The staging root's file system filled up while writing."""
 
 
+class Footprint:
+    """What extracting a bundle really takes: blocks of its files, inodes.
+
+    A file takes whole blocks, however small; a directory is counted as one
+    block too. Bundle data ranges are disjoint (checked), so the files' sizes
+    add up to no more than the bundle.
+    """
+
+    def __init__(self, manifest):
+        members = manifest["members"]
+        self.sizes = [m["size"] for m in members if m["type"] == "file"]
+        self.dirs = sum(1 for m in members if m["type"] == "dir")
+        self.inodes = len(members)
+
+    def bytes(self, block):
+        """Return the bytes the members take on a file system of *block* bytes."""
+        block = max(1, block)
+        return block * (sum(-(-size // block) for size in self.sizes) + self.dirs)
+
+
 class Dirs:
     """Directories below a root, opened once each relative to their parent."""
 
@@ -31,14 +51,22 @@ class Dirs:
         self.root_fd, self.fds = root_fd, {}
 
     def fd(self, rel):
-        """Return a descriptor of the directory *rel* (``""``: the root), made 0700."""
+        """Return a descriptor of the directory *rel* (``""``: the root), made 0700.
+
+        Each missing directory on the way is opened from its parent, one
+        component at a time (a loop: bundles choose the depth).
+        """
         if not rel:
             return self.root_fd
         if rel not in self.fds:
-            if len(self.fds) >= MAX_OPEN:
+            if len(self.fds) + rel.count("/") >= MAX_OPEN:
                 self.close()
-            parent, _, name = rel.rpartition("/")
-            self.fds[rel] = self.open(self.fd(parent), name, rel)
+            parent, done = self.root_fd, ""
+            for name in rel.split("/"):
+                done = f"{done}/{name}" if done else name
+                if done not in self.fds:
+                    self.fds[done] = self.open(parent, name, done)
+                parent = self.fds[done]
         return self.fds[rel]
 
     def open(self, parent_fd, name, rel):

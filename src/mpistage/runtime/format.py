@@ -9,12 +9,25 @@ Layout (all integers little-endian)::
     manifest  UTF-8 JSON, see docs/bundle-format.md
 
 A bundle is untrusted input. :func:`check` refuses a manifest whose shape is
-wrong (a missing key, a root index out of range, an unknown member type, a
-path that is absolute or climbs with ``..``, data outside the data section)
-before any rank acts on it, so extraction may rely on its shape. The writer
-is :mod:`mpistage.bundle.writer`.
+wrong before any rank acts on it, so extraction may rely on its shape:
+
+- a missing key, a root index out of range, an unknown member type;
+- a value nested deeper than :data:`MAX_NESTING` (it could not be sent);
+- a path that is absolute, climbs with ``..``, is deeper than
+  :data:`MAX_DEPTH` components, or starts with :data:`RESERVED` (the names
+  of mpistage's own files in a staging root);
+- a ``dest`` in a bundle whose kind does not place roots (only environment
+  bundles do);
+- data outside the data section, or ranges that overlap or are out of
+  manifest order (a small bundle could otherwise fill a whole device);
+- a link that resolves, through the bundle's other links, to a place
+  outside its root: later writers into the tree (Python's bytecode) follow
+  links.
+
+The writer is :mod:`mpistage.bundle.writer`.
 """
 
+import os as _os
 import struct as _struct
 import sys as _sys
 
@@ -27,6 +40,10 @@ HEADER_SIZE = 64
 SUFFIX = ".mpistage"
 KINDS = ("packages", "env")
 MEMBER_TYPES = ("file", "dir", "link")
+MAX_DEPTH = 128  # path components of a member below the staging root
+MAX_NESTING = 16  # levels of lists and objects in the manifest
+MAX_HOPS = 40  # links followed while resolving one, as Linux's limit
+RESERVED = ".mpistage"  # top-level names of mpistage's own files
 
 
 def python_tag():
@@ -94,6 +111,10 @@ def load_manifest(raw, digest, name):
         manifest = json.loads(bytes(raw))
     except ValueError as exc:
         raise StageError(f"bundle {name!r} is malformed: manifest: {exc}") from None
+    except RecursionError:
+        raise StageError(
+            f"bundle {name!r} is malformed: manifest is nested too deeply"
+        ) from None
     return manifest
 
 
@@ -106,8 +127,11 @@ def manifest_of(buf, name):
 
 def read_manifest(path):
     """Read only the header and manifest of the bundle at *path*, checked."""
+    from mpistage.runtime.read import open_regular
+
+    fd = open_regular(path, "bundle")
     try:
-        with open(path, "rb") as f:
+        with open(fd, "rb", closefd=False) as f:
             size = f.seek(0, 2)
             f.seek(0)
             offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
@@ -115,6 +139,8 @@ def read_manifest(path):
             raw = f.read(length)
     except OSError as exc:
         raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
+    finally:
+        _os.close(fd)
     return check(load_manifest(raw, digest, path), offset, path)
 
 
@@ -133,19 +159,26 @@ def check(manifest, data_end, name):
     """
     where = "manifest"
     try:
+        expect(nesting(manifest) <= MAX_NESTING, "is nested too deeply")
         expect(isinstance(manifest, dict), "is not an object")
-        expect(manifest.get("kind", "packages") in KINDS, "has an unknown kind")
+        kind = manifest.get("kind", "packages")
+        expect(kind in KINDS, "has an unknown kind")
         expect(isinstance(manifest.get("python"), dict), "has no python tag")
         roots = manifest.get("roots")
         expect(isinstance(roots, list), "has no roots list")
         for index, root in enumerate(roots):
             where = f"root {index}"
-            check_root(root)
+            check_root(root, kind)
         members = manifest.get("members")
         expect(isinstance(members, list), "has no members list")
+        bases, end = [base_of(root, i) for i, root in enumerate(roots)], None
         for index, member in enumerate(members):
             where = f"member {index}"
             check_member(member, len(roots), data_end)
+            check_place(member, bases)
+            end = check_range(member, end)
+        where = "manifest"
+        check_links(members, bases, kind)
     except ValueError as exc:
         raise StageError(f"bundle {name!r} is malformed: {where} {exc}") from None
     return manifest
@@ -157,20 +190,41 @@ def expect(condition, problem):
         raise ValueError(problem)
 
 
-def check_root(root):
-    """Check one root entry: an absolute path, a safe destination, a listing."""
+def nesting(value):
+    """Return how many levels of lists and dicts *value* has (no recursion)."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:
+                level += [(sub, depth + 1) for sub in item]
+    return deepest
+
+
+def check_root(root, kind):
+    """Check one root entry: an absolute path, a destination, a listing."""
     expect(isinstance(root, dict), "is not an object")
     path = root.get("path")
     expect(isinstance(path, str) and path.startswith("/"), "has no absolute path")
     expect("\0" not in path, "has a NUL in its path")
     dest = root.get("dest")
     if dest is not None:
+        expect(kind == "env", f"has a dest, which a {kind} bundle may not have")
         expect(
             isinstance(dest, str) and (dest == "" or safe_rel(dest)), "has a bad dest"
         )
     listing = root.get("listing", [])
     expect(isinstance(listing, list), "has a bad listing")
     expect(all(isinstance(e, str) for e in listing), "has a bad listing entry")
+
+
+def base_of(root, index):
+    """Return the components of root *index*'s directory below the staging root."""
+    dest = root.get("dest", f"r{index}")
+    return dest.split("/") if dest else []
 
 
 def check_member(member, roots, data_end):
@@ -193,6 +247,82 @@ def check_member(member, roots, data_end):
         expect(isinstance(offset, int) and isinstance(size, int), "has no offset")
         expect(HEADER_SIZE <= offset and 0 <= size, "has a bad offset")
         expect(offset + size <= data_end, "has data outside the data section")
+
+
+def check_place(member, bases):
+    """Check where *member* lands: not too deep, not on a reserved name."""
+    parts = bases[member["root"]] + member["rel"].split("/")
+    expect(
+        len(parts) <= MAX_DEPTH,
+        f"{member['rel'][:60]!r}... is too deep ({len(parts)} levels, "
+        f"at most {MAX_DEPTH})",
+    )
+    expect(
+        not parts[0].startswith(RESERVED),
+        f"{member['rel']!r} uses a name reserved for mpistage ({RESERVED}*)",
+    )
+
+
+def check_range(member, end):
+    """Check that a file's data follows the previous file's; return its end."""
+    if member["type"] != "file":
+        return end
+    expect(
+        end is None or member["offset"] >= end,
+        f"{member['rel']!r} has data that overlaps or precedes the previous "
+        "file's (data ranges must be disjoint and in manifest order)",
+    )
+    return member["offset"] + member["size"]
+
+
+def check_links(members, bases, kind):
+    """Check that every link resolves inside its root, through the other links.
+
+    A runner bundle's root is its own directory (``r<i>``); an environment's
+    roots merge into one prefix, the staging directory.
+    """
+    links = {}
+    for member in members:
+        if member["type"] == "link":
+            path = "/".join(bases[member["root"]] + member["rel"].split("/"))
+            links[path] = member["target"]
+    for member in members:
+        if member["type"] == "link":
+            base = bases[member["root"]] if kind == "packages" else []
+            parts = base + member["rel"].split("/")
+            if not resolves_inside(parts[:-1], member["target"], links, len(base)):
+                raise ValueError(
+                    f"member {member['rel']!r} links to {member['target']!r}, "
+                    "which does not resolve inside its root"
+                )
+
+
+def resolves_inside(parent, target, links, floor):
+    """Whether *target*, read in directory *parent*, stays *floor* levels deep.
+
+    Resolution follows the bundle's own *links* as the kernel would, at most
+    :data:`MAX_HOPS` of them; an absolute target is outside by definition.
+    """
+    done, todo, hops = list(parent), target.split("/"), 0
+    while todo:
+        part = todo.pop(0)
+        if target.startswith("/") or hops > MAX_HOPS:
+            return False
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if len(done) <= floor:
+                return False
+            done.pop()
+            continue
+        path = "/".join(done + [part])
+        if path in links:
+            hops += 1
+            target = links[path]
+            todo = target.split("/") + todo
+            continue
+        done.append(part)
+    return True
 
 
 def safe_rel(rel):

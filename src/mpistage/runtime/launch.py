@@ -197,7 +197,7 @@ class Runner:
         """
         from mpistage.runtime.collective import abort
 
-        self.session.closed = True
+        forked, self.session.closed = self.session.forked, True
         if isinstance(exc, SystemExit):
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=_sys.stderr)
@@ -205,6 +205,8 @@ class Runner:
             _sys.excepthook(type(exc), exc, exc.__traceback__)
         _sys.stdout.flush()
         _sys.stderr.flush()
+        if forked:  # A child of the program failed, not the job: it ends alone.
+            _os._exit(exit_status(exc))
         _time.sleep(0.1)  # Let the launcher forward what this rank printed.
         abort(self.world, exit_status(exc))
 
@@ -276,9 +278,28 @@ def main(world, argv):
         fail(runner, exc)
     runner.run()
     try:
-        return runner.finish()
+        status = runner.finish()
     except StageError as exc:
         fail(runner, exc)
+    if runner.session.forked:
+        leave_child(status)
+    return status
+
+
+def leave_child(status):
+    """End a child the program forked: its exit handlers, but no MPI_Finalize.
+
+    The child shares the parent's MPI state; finalizing it there would
+    break the parent's job (``multiprocessing`` ends its children the same way).
+    """
+    import atexit
+
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if run is not None:
+        run()
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    _os._exit(status)
 
 
 def fail(runner, error):

@@ -12,7 +12,20 @@ the parent's descriptor, never following a symlink, and every component
 must belong to root or to us and must not be writable by others unless it
 is sticky. Below it, everything is created relative to directory
 descriptors opened once: another user can neither swap a component nor
-redirect a file. :func:`remove` is the one way anything staged is deleted.
+redirect a file. :func:`remove` is the one way anything staged is deleted;
+it walks the tree with a loop and a constant number of descriptors, however
+deep the tree is.
+
+Two rules keep one user's jobs running whatever else is on the node:
+
+- squatting: when ``mpistage-<uid>`` in a shared candidate belongs to
+  somebody else (or is unsafe), the job uses a private directory with a
+  random name in the same candidate, ``mpistage-<uid>-<random>``, created
+  0700 and checked, and removed with the job's root;
+- crash-only cleanup: a launcher may kill a whole job step, the watchdogs
+  included, so each new job's leader first removes this user's roots of
+  dead jobs on its node (:func:`reap`, the rules of ``mpistage clean``:
+  same host, leader gone or a zombie, not kept with ``--keep``).
 """
 
 import errno as _errno
@@ -46,18 +59,23 @@ def candidates():
 
 
 class Root:
-    """A staging directory: its resolved path, and descriptors of it and its parent."""
+    """A staging directory: its resolved path, and descriptors of it and its parent.
 
-    def __init__(self, path, fd, parent_fd):
+    *holder* is ``(descriptor, name)`` of a private per-user directory made
+    for this root alone (see squatting), removed with it.
+    """
+
+    def __init__(self, path, fd, parent_fd, holder=None):
         self.path, self.fd, self.parent_fd = path, fd, parent_fd
         self.name = _os.path.basename(path)
+        self.holder = holder
 
     def close(self):
         """Close the descriptors (the directory stays)."""
-        for fd in (self.fd, self.parent_fd):
+        for fd in (self.fd, self.parent_fd, self.holder and self.holder[0]):
             if fd is not None:
                 _os.close(fd)
-        self.fd = self.parent_fd = None
+        self.fd = self.parent_fd = self.holder = None
 
 
 # -- the one rule for safe directories ------------------------------------------
@@ -165,28 +183,41 @@ def check_own(st, path, strict):
         )
 
 
-def room(fd, path, need):
-    """Refuse *path* unless its file system has *need* bytes free."""
+def room(fd, path, footprint):
+    """Refuse *path* unless its file system has room for *footprint*.
+
+    *footprint* (:class:`~mpistage.runtime.extract.Footprint`) counts the
+    blocks the files will really take, and the inodes.
+    """
     st = _os.fstatvfs(fd)
-    free = st.f_bavail * st.f_frsize
+    free, need = st.f_bavail * st.f_frsize, footprint.bytes(st.f_frsize)
     if free < need:
-        raise StageError(f"{path!r} has {free} bytes free, {need} needed")
+        raise StageError(
+            f"no space left for the bundle in {path!r}: {free} bytes free, "
+            f"{need} needed"
+        )
+    if st.f_files and st.f_favail < footprint.inodes:
+        raise StageError(
+            f"no inodes left for the bundle in {path!r}: {st.f_favail} free, "
+            f"{footprint.inodes} needed"
+        )
 
 
 # -- per-job staging roots ------------------------------------------------------
 
 
-def make_root(job, node, need, skip=()):
+def make_root(job, node, footprint, skip=()):
     """Create this node's staging root in the first usable candidate.
 
     Candidates in *skip* (resolved paths) are passed over. Returns a
-    :class:`Root`. Raises :class:`StageError` naming every candidate and why
-    it was refused when none can be used.
+    :class:`Root`, without its owner record (:func:`write_owner`). Raises
+    :class:`StageError` naming every candidate and why it was refused when
+    none can be used.
     """
     refused = []
     for candidate in candidates():
         try:
-            return root_in(candidate, job, node, need, skip)
+            return root_in(candidate, job, node, footprint, skip)
         except (StageError, OSError) as exc:
             refused.append(refusal(candidate, exc))
     raise StageError("no usable staging root: " + "; ".join(refused or ["none given"]))
@@ -199,36 +230,77 @@ def refusal(candidate, exc):
     return f"{candidate!r}: {exc.strerror}"
 
 
-def root_in(candidate, job, node, need, skip):
+def root_in(candidate, job, node, footprint, skip):
     """Make the job's root below *candidate*; return its :class:`Root`."""
     real, fd = open_safe(candidate)
     try:
         if real in skip:
             raise StageError(f"{real!r} ran out of space")
-        room(fd, real, need)
-        user = f"mpistage-{_os.getuid()}"
-        user_fd = own_dir(fd, user, f"{real}/{user}")
-    finally:
+        reap(fd)
+        room(fd, real, footprint)
+        user, user_fd, holder = user_dir(fd, real)
+    except BaseException:
         _os.close(fd)
+        raise
+    if holder is None:
+        _os.close(fd)  # The candidate is needed later only to remove a private dir.
     name = f"job-{job}.n{node}"
     try:
         _os.mkdir(name, 0o700, dir_fd=user_fd)
-        fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
-        root = Root(f"{real}/{user}/{name}", fd, user_fd)
+        root_fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
     except BaseException:
-        _os.close(user_fd)
+        Root(None, None, user_fd, holder).close()
         raise
-    write_owner(root, job)
-    return root
+    return Root(f"{real}/{user}/{name}", root_fd, user_fd, holder)
+
+
+def user_dir(fd, real):
+    """Open this user's directory in the candidate *fd*; return (name, fd, holder).
+
+    That is ``mpistage-<uid>``; if somebody else squats it, a new private
+    ``mpistage-<uid>-<random>``, whose *holder* (the candidate's descriptor
+    and its name) lets it be removed with the root.
+    """
+    user = f"mpistage-{_os.getuid()}"
+    try:
+        return user, own_dir(fd, user, f"{real}/{user}"), None
+    except StageError as squatted:
+        try:
+            name, private = private_dir(fd, real)
+        except (StageError, OSError) as exc:
+            raise StageError(f"{squatted}; no private one either: {exc}") from None
+        return name, private, (fd, name)
+
+
+def private_dir(fd, real):
+    """Create a new, randomly named per-user directory in *fd*; return (name, fd)."""
+    for _attempt in range(16):
+        name = f"mpistage-{_os.getuid()}-{_os.urandom(6).hex()}"
+        try:
+            _os.mkdir(name, 0o700, dir_fd=fd)
+        except FileExistsError:
+            continue
+        return name, own_dir(fd, name, f"{real}/{name}")
+    raise StageError(f"cannot make a private directory in {real!r}")
 
 
 def write_owner(root, job, kind="job"):
     """Record who made *root*, so that ``mpistage clean`` can tell a dead job's."""
     lines = f"kind={kind}\nhost={_os.uname().nodename}\npid={_os.getpid()}\njob={job}\n"
-    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_NOFOLLOW | _os.O_CLOEXEC
+    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
     fd = _os.open(OWNER_FILE, flags, 0o600, dir_fd=root.fd)
     try:
         _os.write(fd, lines.encode())
+    finally:
+        _os.close(fd)
+
+
+def mark_kept(root):
+    """Note in *root*'s owner record that it outlives its job (``--keep``)."""
+    flags = _os.O_WRONLY | _os.O_APPEND | _os.O_NOFOLLOW | _os.O_CLOEXEC
+    fd = _os.open(OWNER_FILE, flags, dir_fd=root.fd)
+    try:
+        _os.write(fd, b"keep=yes\n")
     finally:
         _os.close(fd)
 
@@ -244,6 +316,70 @@ def read_owner(fd):
     finally:
         _os.close(ofd)
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+
+
+# -- roots of dead jobs -----------------------------------------------------------
+
+
+def reap(candidate_fd):
+    """Remove this user's roots of dead jobs in a candidate (crash-only cleanup).
+
+    Anything that is not plainly ours is left alone: somebody else's
+    directory, a root without an owner record, or one of a live leader.
+    """
+    for name in user_dirs(candidate_fd):
+        try:
+            fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
+        except OSError:
+            continue
+        try:
+            check_own(_os.fstat(fd), name, True)
+            for dead in list(stale_roots(fd)):
+                remove_entry(fd, dead)
+        except (StageError, OSError):
+            continue  # Not ours, or changing under us: `mpistage clean` remains.
+        finally:
+            _os.close(fd)
+
+
+def user_dirs(fd):
+    """Return this user's directories in the candidate *fd*, private ones too."""
+    user = f"mpistage-{_os.getuid()}"
+    with _os.scandir(fd) as entries:
+        return sorted(
+            e.name for e in entries if e.name == user or e.name.startswith(user + "-")
+        )
+
+
+def stale_roots(fd, kept_too=False):
+    """Yield the roots in this user's directory *fd* whose job is dead here.
+
+    Kept roots (``--keep``) count only with *kept_too* (``mpistage clean``).
+    """
+    host = _os.uname().nodename
+    for name in sorted(_os.listdir(fd)):
+        try:
+            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            owner = read_owner(root_fd)
+        finally:
+            _os.close(root_fd)
+        if not owner or owner.get("host") != host or alive(owner.get("pid")):
+            continue
+        if kept_too or owner.get("keep") != "yes":
+            yield name
+
+
+def alive(pid):
+    """Whether a process with *pid* runs on this host (a zombie does not)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, ValueError, TypeError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def target_dir(path):
@@ -283,6 +419,11 @@ def remove(root):
     if root is None or root.parent_fd is None:
         return
     remove_entry(root.parent_fd, root.name)
+    if root.holder is not None:
+        try:
+            _os.rmdir(root.holder[1], dir_fd=root.holder[0])
+        except OSError:
+            pass  # Not empty any more: another root was made there meanwhile.
     root.close()
 
 
@@ -305,30 +446,88 @@ def empty(fd):
 
 
 def remove_entry(parent_fd, name):
-    """Remove *name* below *parent_fd*, recursively, following no symlink.
+    """Remove *name* below *parent_fd*, with everything below it.
 
-    Another process may be removing the same tree (two ranks of a failing
-    node): what is already gone is not an error.
+    A loop, not a recursion, holding two descriptors at most: it goes down
+    into the first non-empty directory, and back up through ``..`` once a
+    directory is empty, checking that ``..`` is the directory it came from.
+    No symlink is followed. Another process may be removing the same tree
+    (two ranks of a failing node): what is already gone is not an error.
     """
+    if unlink_or_rmdir(parent_fd, name):
+        return
     try:
-        _os.unlink(name, dir_fd=parent_fd)
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except (FileNotFoundError, NotADirectoryError):
         return
-    except FileNotFoundError:
-        return
-    except (IsADirectoryError, PermissionError):
-        pass  # A directory: empty it first.
+    trail = [_os.fstat(fd)]
+    try:
+        while True:
+            child = first_nonempty(fd)
+            if child is not None:
+                fd = descend(fd, child, trail)
+            elif len(trail) > 1:
+                fd = ascend(fd, trail)
+            else:
+                break
+    finally:
+        _os.close(fd)
     for _attempt in range(3):
+        if unlink_or_rmdir(parent_fd, name):
+            return
+        # A rank still running wrote bytecode meanwhile: empty it again.
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         try:
-            fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-            try:
-                empty(fd)
-            finally:
-                _os.close(fd)
-            _os.rmdir(name, dir_fd=parent_fd)
-            return
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        except OSError as exc:
-            if exc.errno != _errno.ENOTEMPTY:
-                raise
-            # A rank still running wrote bytecode meanwhile: empty it again.
+            empty(fd)
+        finally:
+            _os.close(fd)
+
+
+def unlink_or_rmdir(fd, name):
+    """Remove a file, link or empty directory; ``False`` if it is a full directory."""
+    try:
+        _os.unlink(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except (IsADirectoryError, PermissionError):
+        pass
+    try:
+        _os.rmdir(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (_errno.ENOTEMPTY, _errno.EEXIST):
+            return False
+        raise
+
+
+def first_nonempty(fd):
+    """Remove what can go at once below *fd*; return a full subdirectory, or None."""
+    with _os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        if not unlink_or_rmdir(fd, name):
+            return name
+    return None
+
+
+def descend(fd, name, trail):
+    """Go down from *fd* into its directory *name*; return the new descriptor."""
+    child = _os.open(name, DIR_FLAGS, dir_fd=fd)
+    _os.close(fd)
+    trail.append(_os.fstat(child))
+    return child
+
+
+def ascend(fd, trail):
+    """Go up from *fd* to its parent, which must be the one we came from."""
+    parent = _os.open("..", DIR_FLAGS, dir_fd=fd)
+    _os.close(fd)
+    trail.pop()
+    st, want = _os.fstat(parent), trail[-1]
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+        _os.close(parent)
+        raise StageError("a directory being removed was moved away")
+    return parent

@@ -15,12 +15,29 @@ from mpistage import StageError
 READ_SIZE = 64 << 20
 
 
+def open_regular(path, what="bundle"):
+    """Open *path* for reading; refuse anything but a regular file.
+
+    The open does not block (a FIFO nobody writes to would hang it), and
+    the check is made on the open descriptor, so nothing can be swapped in
+    between. Returns the descriptor.
+    """
+    import stat
+
+    flags = _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NONBLOCK
+    try:
+        fd = _os.open(path, flags)
+    except OSError as exc:
+        raise StageError(f"cannot read {what} {path!r}: {exc.strerror}") from None
+    if not stat.S_ISREG(_os.fstat(fd).st_mode):
+        _os.close(fd)
+        raise StageError(f"cannot read {what} {path!r}: not a regular file")
+    return fd
+
+
 def read_bundle(path):
     """Return the whole bundle at *path* as a bytearray (rank 0 only)."""
-    try:
-        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
-    except OSError as exc:
-        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
+    fd = open_regular(path)
     try:
         return read_all(fd, _os.fstat(fd).st_size, path)
     finally:

@@ -11,9 +11,15 @@ If the program calls ``MPI.Finalize()`` itself while a session is open, the
 session closes inside ``MPI_Finalize`` (a ``COMM_SELF`` attribute's delete
 callback, which MPI runs while it can still communicate), so nothing is
 left behind and nobody waits for a rank that has gone.
+
+Only the process that made a session ends it: a child forked inside one
+(``os.fork``, ``multiprocessing`` with fork) that leaves the block or exits
+undoes the import hooks in itself and touches nothing else, neither MPI nor
+the node's copy.
 """
 
 import contextlib as _contextlib
+import os as _os
 import time as _time
 
 from mpistage import StageError
@@ -33,6 +39,12 @@ class Session:
         self.topology = self.staged = self.activation = None
         self.seconds, self.closed, self.on_close = {}, False, []
         self.finalizing = self.watched = False
+        self.pid = _os.getpid()
+
+    @property
+    def forked(self):
+        """Whether this is a child forked after the session began."""
+        return _os.getpid() != self.pid
 
     def timed(self, step, func, *args):
         """Run *func* as *step*, recording this rank's seconds."""
@@ -78,19 +90,16 @@ class Session:
         """Broadcast, extract and activate a bundle rank 0 has read."""
         from mpistage.runtime import stage
         from mpistage.runtime.activate import activate
-        from mpistage.runtime.cleanup import guard
         from mpistage.runtime.place import job_tag
 
         topo = self.topology
         tag = self.comm.bcast(job_tag() if self.comm.rank == 0 else None, root=0)
-        place = stage.JobPlace(tag, topo.index)
+        place = stage.JobPlace(tag, topo.index, self.keep)
         buf, manifest = self.timed("broadcast", stage.send, topo, buf, manifest)
         self.staged = self.timed(
             "stage", stage.settle, topo, buf, manifest, place, self.bundle
         )
         del buf
-        if self.staged.root is not None and not self.keep:
-            guard(self.staged.root)
         watch_finalize(self)
         self.activation = self.timed(
             "activate", attempt, self.comm, activate, self.staged
@@ -103,18 +112,26 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        if self.forked:
+            self.deactivate()
+            return
         for func in self.on_close:
             func(self)
-        if self.activation is not None:
-            from mpistage.runtime.activate import deactivate
-
-            deactivate(self.activation)
+        self.deactivate()
         alive = self.topology is not None and not MPI.Is_finalized()
         if alive:
             barrier(self.topology.node)
         self.remove()
         if alive:  # every rank leaves once its node's copy is gone
             barrier(self.topology.node)
+
+    def deactivate(self):
+        """Undo activation in this process."""
+        from mpistage.runtime.activate import deactivate
+
+        if self.activation is not None:
+            deactivate(self.activation)
+            self.activation = None
 
     def remove(self):
         """The leader removes its node's copy (unless kept); no MPI needed."""
@@ -134,7 +151,7 @@ class Session:
         from mpistage.runtime.place import remove_path
 
         self.closed = True
-        if self.staged is None or self.keep:
+        if self.staged is None or self.keep or self.forked:
             return
         try:
             if self.staged.root is not None:

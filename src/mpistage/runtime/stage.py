@@ -10,6 +10,7 @@ runner, :func:`mpistage.staged` and ``mpistage stage`` all call
 """
 
 from mpistage import StageError
+from mpistage.runtime.broadcast import share
 from mpistage.runtime.collective import attempt
 
 
@@ -24,18 +25,24 @@ class Staged:
 class JobPlace:
     """The runner's place: a fresh per-job root in the first usable candidate.
 
-    A candidate that fills up while the bundle is written is passed over
-    and the next one tried.
+    The root is guarded (:mod:`~mpistage.runtime.cleanup`) as soon as it
+    exists, before its owner record and the first member are written. A
+    candidate that fills up while the bundle is written is passed over and
+    the next one tried. With *keep*, the root outlives the job.
     """
 
-    def __init__(self, tag, node):
-        self.tag, self.node, self.full = tag, node, []
+    def __init__(self, tag, node, keep=False):
+        self.tag, self.node, self.keep, self.full = tag, node, keep, []
 
-    def make(self, buf):
-        """Create and return this node's :class:`~mpistage.runtime.place.Root`."""
-        from mpistage.runtime.place import make_root
+    def make(self, buf, footprint):
+        """Create, guard and return this node's staging root."""
+        from mpistage.runtime.cleanup import guard
+        from mpistage.runtime.place import make_root, write_owner
 
-        return make_root(self.tag, self.node, len(buf), skip=self.full)
+        root = make_root(self.tag, self.node, footprint, skip=self.full)
+        guard(root)
+        write_owner(root, self.tag)
+        return root
 
     def retry(self, root):
         """Note that *root*'s candidate is full; return ``True`` to try another."""
@@ -43,13 +50,19 @@ class JobPlace:
         return True
 
     def done(self, root, buf):
-        """Nothing to mark: a job root lives as long as its job."""
+        """A kept root is no longer guarded, and says so for ``mpistage clean``."""
+        from mpistage.runtime.cleanup import disarm
+        from mpistage.runtime.place import mark_kept
+
+        if self.keep:
+            disarm(root)
+            mark_kept(root)
 
     def discard(self, root):
         """Remove a failed or unused job root."""
-        from mpistage.runtime.place import remove
+        from mpistage.runtime.cleanup import release
 
-        remove(root)
+        release(root)
 
 
 def read(comm, path, kind, check=None):
@@ -68,7 +81,7 @@ def read(comm, path, kind, check=None):
         return buf, manifest, (check(manifest) if check else None)
 
     buf, manifest, verdict = attempt(comm, on_rank0)
-    return buf, manifest, comm.bcast(verdict, root=0)
+    return buf, manifest, share(comm, verdict)
 
 
 def distribute(topo, buf, manifest, place, name):
@@ -84,7 +97,7 @@ def send(topo, buf, manifest):
     def on_leader(data, checked):
         if not topo.is_leader:
             return None, None
-        return broadcast(topo.leaders, data), topo.leaders.bcast(checked, root=0)
+        return broadcast(topo.leaders, data), share(topo.leaders, checked)
 
     return attempt(topo.world, on_leader, buf, manifest)
 
@@ -99,20 +112,21 @@ def settle(topo, buf, manifest, place, name):
             place.discard(root)
         raise
     nbytes = len(buf) if buf is not None else 0
-    path, manifest, nbytes = topo.node.bcast(
-        (holder[0].path, manifest, nbytes) if topo.is_leader else None, root=0
+    path, manifest, nbytes = share(
+        topo.node, (holder[0].path, manifest, nbytes) if topo.is_leader else None
     )
     return Staged(path, manifest, nbytes, holder[0] if holder else None)
 
 
 def leader_extract(topo, buf, manifest, place, name, holder):
     """On a leader: make the place and extract into it, trying again if full."""
-    from mpistage.runtime.extract import NoSpace, extract
+    from mpistage.runtime.extract import Footprint, NoSpace, extract
 
     if not topo.is_leader:
         return
+    footprint = Footprint(manifest)
     while True:
-        root = place.make(buf)
+        root = place.make(buf, footprint)
         if getattr(root, "reused", False):
             holder.append(root)
             return

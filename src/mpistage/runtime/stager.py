@@ -65,7 +65,7 @@ class TargetPlace:
     def __init__(self, folder):
         self.folder = folder
 
-    def make(self, buf):
+    def make(self, buf, footprint):
         """Open ``DIR`` safely; mark it as being staged, or as reusable."""
         from mpistage.runtime.place import room, target_dir
 
@@ -78,7 +78,7 @@ class TargetPlace:
         if _os.listdir(root.fd):
             root.close()
             raise StageError(busy_message(self.folder, marker))
-        room(root.fd, self.folder, len(buf))
+        room(root.fd, self.folder, footprint)
         write_marker(root.fd, digest, "incomplete")
         return root
 

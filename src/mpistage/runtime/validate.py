@@ -153,12 +153,19 @@ class PathFds:
         self.own = []
 
     def fd(self, rel):
-        """Return a descriptor of the directory *rel* below the root."""
+        """Return a descriptor of the directory *rel* below the root.
+
+        Missing ones on the way are opened from their parent, in a loop.
+        """
         if rel not in self.fds:
-            parent, _, name = rel.rpartition("/")
-            fd = _os.open(name, self.FLAGS | _os.O_NOFOLLOW, dir_fd=self.fd(parent))
-            self.fds[rel] = fd
-            self.own.append(fd)
+            parent, done = self.fds[""], ""
+            for name in rel.split("/"):
+                done = f"{done}/{name}" if done else name
+                if done not in self.fds:
+                    flags = self.FLAGS | _os.O_NOFOLLOW
+                    self.fds[done] = _os.open(name, flags, dir_fd=parent)
+                    self.own.append(self.fds[done])
+                parent = self.fds[done]
         return self.fds[rel]
 
     def stat(self, rel):
@@ -177,7 +184,8 @@ def digest(fd, rel):
     from mpistage.runtime.format import sha256
 
     sha = sha256()
-    with open(_os.open(rel, _os.O_RDONLY | _os.O_CLOEXEC, dir_fd=fd), "rb") as f:
+    flags = _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NONBLOCK  # a FIFO must not hang
+    with open(_os.open(rel, flags, dir_fd=fd), "rb") as f:
         while chunk := f.read(1 << 20):
             sha.update(chunk)
     return sha.hexdigest()

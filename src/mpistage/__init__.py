@@ -93,8 +93,13 @@ def load_runtime(comm):
         return
     codes = {}
     if comm.rank == 0:
-        codes = _read_package(os.path.join(__path__[0], "runtime"), RUNTIME)
+        try:
+            codes = _read_package(os.path.join(__path__[0], "runtime"), RUNTIME)
+        except (OSError, SyntaxError, ValueError) as exc:
+            codes = f"cannot read mpistage's runtime: {exc}"  # told to every rank
     codes = comm.bcast(codes, root=0)
+    if isinstance(codes, str):
+        raise StageError(codes)
     if comm.rank == 0 and RANK0_STDLIB[0] not in _sys.modules:
         folder = os.path.join(os.path.dirname(os.__file__), RANK0_STDLIB[0])
         codes.update(_read_package(folder, RANK0_STDLIB[0], RANK0_STDLIB[1]))

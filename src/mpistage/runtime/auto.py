@@ -113,7 +113,7 @@ def save(comm, recorder, path, args):
     """Reduce every rank's usage to rank 0, which writes the bundle (collective)."""
     from mpistage.runtime.collective import attempt
 
-    usage = comm.reduce(recorder.usage(), op=merge, root=0)
+    usage = comm.reduce(attempt(comm, recorder.usage), op=merge, root=0)
 
     def write():
         if comm.rank != 0:

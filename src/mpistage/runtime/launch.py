@@ -155,17 +155,23 @@ class Runner:
     def start_auto(self):
         """Replay the cached bundle, or record this run when there is none."""
         from mpistage.runtime import auto
+        from mpistage.runtime.broadcast import share
         from mpistage.runtime.collective import attempt
 
         session, rank0 = self.session, self.world.rank == 0
         session.discover()
-        path = auto.bundle_path(self.args, self.options.cache_dir) if rank0 else None
-        session.bundle = path = self.world.bcast(path, root=0)
+        path = attempt(
+            self.world,
+            lambda: (
+                auto.bundle_path(self.args, self.options.cache_dir) if rank0 else None
+            ),
+        )
+        session.bundle = path = share(self.world, path)
         buf, manifest, verdict = attempt(
             self.world,
             lambda: auto.read_cached(path, session.staleness) if rank0 else (None,) * 3,
         )
-        verdict = self.world.bcast(verdict, root=0)
+        verdict = share(self.world, verdict)
         self.auto = verdict or "replayed"
         if verdict:
             from mpistage.runtime.session import watch_finalize

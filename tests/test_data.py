@@ -36,6 +36,7 @@ import hashlib, json, os, sys, time
 from mpi4py import MPI
 import numpy as np
 import mpistage.runtime.broadcast as broadcast
+import mpistage.runtime.read as read
 from mpistage import StageError, data
 comm = MPI.COMM_WORLD
 FILES = json.loads(sys.argv[1])
@@ -168,7 +169,7 @@ def test_same_read_only_bytes_everywhere(tmp_path, stage_env, files, ranks, node
 
 
 CHUNKED = """
-broadcast.CHUNK_SIZE = data.READ_SIZE = int(sys.argv[2])
+broadcast.CHUNK_SIZE = read.READ_SIZE = int(sys.argv[2])
 spread = []
 real_chunks = broadcast.chunks
 def counting(comm, view, root=0):
@@ -344,7 +345,7 @@ def test_lifetime(tmp_path, stage_env, files):
 
 
 BAD = """
-data.READ_SIZE = 1000
+read.READ_SIZE = 1000
 real_preadv = os.preadv
 def resize(path, size):
     def preadv(fd, buffers, offset):

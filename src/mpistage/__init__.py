@@ -89,21 +89,42 @@ def load_runtime(comm):
     """
     import os
 
-    if any(isinstance(f, _Preloaded) for f in _sys.meta_path):
+    if not preload(comm, RUNTIME):
         return
-    codes = {}
+    if comm.rank == 0 and RANK0_STDLIB[0] not in _sys.modules:
+        folder = os.path.join(os.path.dirname(os.__file__), RANK0_STDLIB[0])
+        only = RANK0_STDLIB[1]
+        _sys.meta_path.insert(0, _Preloaded(_read_package(folder, "json", only)))
+
+
+def preload(comm, package):
+    """Make the modules of *package* (mpistage's own) importable by broadcast.
+
+    Collective: rank 0 reads them and sends their code; the other ranks
+    import them from memory. Returns ``False`` if *package* was preloaded
+    already (nothing done).
+    """
+    import os
+
+    if package in _PRELOADED:
+        return False
+    codes, folder = {}, os.path.join(__path__[0], *package.split(".")[1:])
     if comm.rank == 0:
         try:
-            codes = _read_package(os.path.join(__path__[0], "runtime"), RUNTIME)
+            codes = _read_package(folder, package)
         except (OSError, SyntaxError, ValueError) as exc:
-            codes = f"cannot read mpistage's runtime: {exc}"  # told to every rank
+            codes = f"cannot read {package}: {exc}"  # told to every rank
     codes = comm.bcast(codes, root=0)
     if isinstance(codes, str):
         raise StageError(codes)
-    if comm.rank == 0 and RANK0_STDLIB[0] not in _sys.modules:
-        folder = os.path.join(os.path.dirname(os.__file__), RANK0_STDLIB[0])
-        codes.update(_read_package(folder, RANK0_STDLIB[0], RANK0_STDLIB[1]))
+    if package in _sys.modules:
+        codes.pop(package, None)  # imported already (mpistage.data itself)
     _sys.meta_path.insert(0, _Preloaded(codes))
+    _PRELOADED.add(package)
+    return True
+
+
+_PRELOADED = set()
 
 
 def _read_package(folder, package, only=None):

@@ -153,13 +153,13 @@ class Plan:
     def check(self):
         """Refuse a plan whose copies cannot fit in this machine's memory."""
         from mpistage import StageError
-        from mpistage.data import IO_METHODS, _node_room
+        from mpistage.data.steps import IO_METHODS, node_room
 
         if set(self.io) - set(IO_METHODS) or not self.io:
             raise StageError(f"--io {','.join(self.io)!r}: use posix and/or mpiio")
         if self.nodes < 1:
             raise StageError(f"--nodes {self.nodes!r} must be 1 or more")
-        room, what = _node_room()
+        room, what = node_room()
         need = max(max(self.ranks) * self.size, self.nodes * self.big)
         if room is not None and need > 0.8 * room:
             raise StageError(

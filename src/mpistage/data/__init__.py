@@ -1,0 +1,186 @@
+"""Shared data files: read once per job, one copy per node, mapped by every rank.
+
+::
+
+    from mpistage import data
+    with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
+        digest = hashlib.sha256(buf.view).hexdigest()
+    weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
+
+Both calls are collective over *comm* and run the same steps on every rank
+(see docs/data.md):
+
+- arguments: every rank must pass the same ones (path, readers, io, and
+  for ``load`` member, dtype, shape, order, offset); rank 0's are compared
+  with each rank's before anything else, and a difference is one error;
+- topology: *comm* → node communicators (real ones, or the emulated ones of
+  ``MPISTAGE_EMULATE_NODES``) → the communicator of node leaders;
+- open: *readers* ranks open the file, spread over the nodes; no other rank
+  opens or stats it. Only a regular file is read (the open does not block
+  on a FIFO). The first reader also finds where the array's bytes are (.npy
+  header, .npz member); the other readers check that they opened the same
+  file (inode, size, mtime);
+- allocate: each node leader checks that its node has room (MemAvailable),
+  then allocates the node's copy as an MPI shared-memory window, which the
+  node's other ranks map;
+- read: each reader reads one contiguous part into its node's copy;
+- broadcast: the leaders pass the parts on to each other as raw chunks of
+  :data:`mpistage.runtime.broadcast.CHUNK_SIZE` bytes, never pickled;
+- view: every rank gets a read-only view of its node's copy.
+
+Each step ends with an agreement of all ranks, so a bad input raises the same
+one-line :class:`~mpistage.StageError` on every rank instead of hanging the
+job. The node's memory is freed once no rank of the node holds a view of it
+any more: at :meth:`SharedBuffer.close`, at a later call of this module on
+the same ranks, or at interpreter exit, always before MPI is finalized.
+"""
+
+__all__ = ["SharedArray", "SharedBuffer", "load", "read"]  # noqa: F822 (lazy)
+
+
+# -- the public API -------------------------------------------------------------
+
+
+def read(path, comm=None, *, readers=1, io="posix"):
+    """Return the bytes of the file *path* as a :class:`SharedBuffer` (collective).
+
+    *readers* ranks open and read the file (one by default), through plain
+    reads (``io="posix"``) or MPI-IO collective reads (``io="mpiio"``).
+    """
+    comm = _load(comm)
+    from mpistage.data import layouts, steps
+
+    job = steps.share(comm, path, readers, io, layouts.whole, ())
+    return SharedBuffer(job.segment, job.view, job.path, job.seconds)
+
+
+def load(
+    path,
+    comm=None,
+    *,
+    member=None,
+    dtype=None,
+    shape=None,
+    order="C",
+    offset=0,
+    readers=1,
+    io="posix",
+):
+    """Return the array stored in *path* as a :class:`SharedArray` (collective).
+
+    A ``.npy`` file; a stored member of a ``.npz`` file (*member*, with or
+    without ``.npy``); or, given *dtype*, a raw file of *shape* (default:
+    one dimension) in *order* from byte *offset* on. The result *is* a
+    read-only ``numpy.ndarray`` on the node's copy.
+    """
+    comm = _load(comm)
+    from mpistage.data import arrays, layouts, steps
+
+    locate = layouts.locator(member, dtype, shape, order, offset)
+    more = (("member", member), ("dtype", steps.dtype_name(dtype)), ("shape", shape))
+    more += (("order", order), ("offset", offset))
+    job = steps.share(comm, path, readers, io, locate, more)
+    meta = job.layout.meta
+    array = arrays.array_type()
+    return array.on_copy(job.segment, job.view, job.path, job.seconds, meta)
+
+
+def _load(comm):
+    """Return *comm* (default: world); load this package's steps on its ranks.
+
+    Rank 0 reads the modules of this package and of the runtime and
+    broadcasts them (:func:`mpistage.preload`): the other ranks import them
+    from memory, never from the shared file system.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    from mpistage import load_runtime, preload
+
+    load_runtime(comm)
+    preload(comm, __name__)
+    return comm
+
+
+def __getattr__(name):
+    if name == "SharedArray":
+        from mpistage.data.arrays import array_type
+
+        return array_type()
+    if name in ("IO_METHODS", "MPIIO_HINTS"):
+        from mpistage.data import steps
+
+        return getattr(steps, name)
+    raise AttributeError(f"module 'mpistage.data' has no attribute {name!r}")
+
+
+class SharedBuffer:
+    """The bytes of one file: this node's read-only copy, in MPI shared memory.
+
+    :attr:`view` is a read-only memoryview (format ``'B'``) of memory that
+    every rank of the node maps. :meth:`close` is collective; ``with``
+    closes at the end of the block. Views taken from :attr:`view` stay
+    valid after that: the node's memory is freed only once no rank of the
+    node holds any view of it. :attr:`seconds` holds this rank's time in
+    each step (open, allocate, read, broadcast).
+    """
+
+    def __init__(self, segment, view, path, seconds):
+        self._segment, self._view = segment, view
+        self.path, self.nbytes, self.seconds = path, len(view), dict(seconds)
+        self.closed = False
+
+    @property
+    def view(self):
+        """The read-only memoryview of this node's copy."""
+        self._check_open()
+        return self._view
+
+    def __len__(self):
+        return self.nbytes
+
+    def __buffer__(self, flags):
+        """Export :attr:`view` (Python 3.12+: ``memoryview(buf)``, ``bytes(buf)``)."""
+        return self.view.__buffer__(flags)
+
+    def close(self):
+        """Let go of the node's copy; collective over the ranks of the node.
+
+        The memory is freed here if no rank of the node holds a view of it
+        any more, else as soon as none does. Calling it again does nothing.
+        """
+        if self.closed:
+            return
+        segment = self._forget()
+        if segment is not None:
+            from mpistage.data.segments import sweep
+
+            sweep(segment.node)
+
+    def __enter__(self):
+        self._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # An exception may be this rank's alone: a collective call now could
+        # wait forever for the other ranks, so only let go locally.
+        if exc_type is None:
+            self.close()
+        else:
+            self._forget()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        name = type(self).__name__
+        return f"<{name} {self.path!r} {self.nbytes} bytes, {state}>"
+
+    def _forget(self):
+        """Drop this object's references to the copy; return its segment."""
+        segment, self._segment, self._view = self._segment, None, None
+        self.closed = True
+        return segment
+
+    def _check_open(self):
+        if self.closed:
+            raise ValueError(f"the shared copy of {self.path!r} is closed")

@@ -74,7 +74,7 @@ def guard(root):
 
 def release(root):
     """Remove *root* and retire its watchdog (the normal path, no MPI needed)."""
-    from mpistage.runtime.place import remove
+    from mpistage.runtime.removal import remove
 
     if root is None or not mine(root):
         return

@@ -17,12 +17,13 @@ import time as _time
 
 from mpistage import StageError
 
-POLL_MAX = 0.002
+POLL_MIN = 0.00005  # seconds between the first polls: a fast step loses little
+POLL_MAX = 0.002  # seconds between later polls: a waiting rank takes no CPU
 
 
 def wait(request):
     """Complete *request*, sleeping between polls (50 µs growing to 2 ms)."""
-    pause = 0.00005
+    pause = POLL_MIN
     while not request.Test():
         _time.sleep(pause)
         pause = min(pause * 2, POLL_MAX)

@@ -12,9 +12,7 @@ the parent's descriptor, never following a symlink, and every component
 must belong to root or to us and must not be writable by others unless it
 is sticky. Below it, everything is created relative to directory
 descriptors opened once: another user can neither swap a component nor
-redirect a file. :func:`remove` is the one way anything staged is deleted;
-it walks the tree with a loop and a constant number of descriptors, however
-deep the tree is.
+redirect a file. Deleting is :mod:`~mpistage.runtime.removal`'s.
 
 Two rules keep one user's jobs running whatever else is on the node:
 
@@ -286,35 +284,47 @@ def private_dir(fd, real):
 
 def write_owner(root, job, kind="job"):
     """Record who made *root*, so that ``mpistage clean`` can tell a dead job's."""
-    lines = f"kind={kind}\nhost={_os.uname().nodename}\npid={_os.getpid()}\njob={job}\n"
-    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
-    fd = _os.open(OWNER_FILE, flags, 0o600, dir_fd=root.fd)
-    try:
-        _os.write(fd, lines.encode())
-    finally:
-        _os.close(fd)
+    host, pid = _os.uname().nodename, _os.getpid()
+    fields = {"kind": kind, "host": host, "pid": pid, "job": job}
+    write_fields(root.fd, OWNER_FILE, fields, _os.O_CREAT | _os.O_EXCL)
 
 
 def mark_kept(root):
     """Note in *root*'s owner record that it outlives its job (``--keep``)."""
-    flags = _os.O_WRONLY | _os.O_APPEND | _os.O_NOFOLLOW | _os.O_CLOEXEC
-    fd = _os.open(OWNER_FILE, flags, dir_fd=root.fd)
-    try:
-        _os.write(fd, b"keep=yes\n")
-    finally:
-        _os.close(fd)
+    write_fields(root.fd, OWNER_FILE, {"keep": "yes"}, _os.O_APPEND)
 
 
 def read_owner(fd):
     """Return the owner record in the directory open as *fd*, or ``None``."""
+    return read_fields(fd, OWNER_FILE) or None
+
+
+# -- key=value records: the owner record, the stage marker ---------------------
+
+
+def write_fields(fd, name, fields, how):
+    """Write *fields* as ``key=value`` lines to *name* below *fd*, no symlink.
+
+    *how* adds ``O_CREAT | O_EXCL`` (a new file) or ``O_APPEND`` flags.
+    """
+    flags = _os.O_WRONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC | how
+    out = _os.open(name, flags, 0o600, dir_fd=fd)
     try:
-        ofd = _os.open(OWNER_FILE, _os.O_RDONLY | _os.O_NOFOLLOW, dir_fd=fd)
-    except OSError:
-        return None
-    try:
-        text = _os.read(ofd, 4096).decode(errors="replace")
+        _os.write(out, "".join(f"{k}={v}\n" for k, v in fields.items()).encode())
     finally:
-        _os.close(ofd)
+        _os.close(out)
+
+
+def read_fields(fd, name):
+    """Return the ``key=value`` lines of *name* below *fd* (``{}`` if none)."""
+    try:
+        got = _os.open(name, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return {}
+    try:
+        text = _os.read(got, 4096).decode(errors="replace")
+    finally:
+        _os.close(got)
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
 
 
@@ -327,6 +337,8 @@ def reap(candidate_fd):
     Anything that is not plainly ours is left alone: somebody else's
     directory, a root without an owner record, or one of a live leader.
     """
+    from mpistage.runtime.removal import remove_entry
+
     for name in user_dirs(candidate_fd):
         try:
             fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
@@ -409,125 +421,3 @@ def job_tag():
     else:
         prefix = _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"
-
-
-# -- the one removal path -------------------------------------------------------
-
-
-def remove(root):
-    """Remove the staging directory *root* and everything below it."""
-    if root is None or root.parent_fd is None:
-        return
-    remove_entry(root.parent_fd, root.name)
-    if root.holder is not None:
-        try:
-            _os.rmdir(root.holder[1], dir_fd=root.holder[0])
-        except OSError:
-            pass  # Not empty any more: another root was made there meanwhile.
-    root.close()
-
-
-def remove_path(path):
-    """Remove the staging directory at *path* (found again from its safe parent)."""
-    parent, name = _os.path.split(path)
-    real, fd = open_safe(parent)
-    try:
-        remove_entry(fd, name)
-    finally:
-        _os.close(fd)
-
-
-def empty(fd):
-    """Remove everything inside the directory open as *fd*."""
-    with _os.scandir(fd) as entries:
-        names = [entry.name for entry in entries]
-    for name in names:
-        remove_entry(fd, name)
-
-
-def remove_entry(parent_fd, name):
-    """Remove *name* below *parent_fd*, with everything below it.
-
-    A loop, not a recursion, holding two descriptors at most: it goes down
-    into the first non-empty directory, and back up through ``..`` once a
-    directory is empty, checking that ``..`` is the directory it came from.
-    No symlink is followed. Another process may be removing the same tree
-    (two ranks of a failing node): what is already gone is not an error.
-    """
-    if unlink_or_rmdir(parent_fd, name):
-        return
-    try:
-        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    trail = [_os.fstat(fd)]
-    try:
-        while True:
-            child = first_nonempty(fd)
-            if child is not None:
-                fd = descend(fd, child, trail)
-            elif len(trail) > 1:
-                fd = ascend(fd, trail)
-            else:
-                break
-    finally:
-        _os.close(fd)
-    for _attempt in range(3):
-        if unlink_or_rmdir(parent_fd, name):
-            return
-        # A rank still running wrote bytecode meanwhile: empty it again.
-        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-        try:
-            empty(fd)
-        finally:
-            _os.close(fd)
-
-
-def unlink_or_rmdir(fd, name):
-    """Remove a file, link or empty directory; ``False`` if it is a full directory."""
-    try:
-        _os.unlink(name, dir_fd=fd)
-        return True
-    except FileNotFoundError:
-        return True
-    except (IsADirectoryError, PermissionError):
-        pass
-    try:
-        _os.rmdir(name, dir_fd=fd)
-        return True
-    except FileNotFoundError:
-        return True
-    except OSError as exc:
-        if exc.errno in (_errno.ENOTEMPTY, _errno.EEXIST):
-            return False
-        raise
-
-
-def first_nonempty(fd):
-    """Remove what can go at once below *fd*; return a full subdirectory, or None."""
-    with _os.scandir(fd) as entries:
-        names = [entry.name for entry in entries]
-    for name in names:
-        if not unlink_or_rmdir(fd, name):
-            return name
-    return None
-
-
-def descend(fd, name, trail):
-    """Go down from *fd* into its directory *name*; return the new descriptor."""
-    child = _os.open(name, DIR_FLAGS, dir_fd=fd)
-    _os.close(fd)
-    trail.append(_os.fstat(child))
-    return child
-
-
-def ascend(fd, trail):
-    """Go up from *fd* to its parent, which must be the one we came from."""
-    parent = _os.open("..", DIR_FLAGS, dir_fd=fd)
-    _os.close(fd)
-    trail.pop()
-    st, want = _os.fstat(parent), trail[-1]
-    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
-        _os.close(parent)
-        raise StageError("a directory being removed was moved away")
-    return parent

@@ -148,7 +148,7 @@ class Session:
         when the job is gone.
         """
         from mpistage.runtime.cleanup import release
-        from mpistage.runtime.place import remove_path
+        from mpistage.runtime.removal import remove_path
 
         self.closed = True
         if self.staged is None or self.keep or self.forked:

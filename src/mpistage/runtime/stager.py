@@ -54,6 +54,13 @@ def parse(argv):
     return bundle, folder, print_env
 
 
+def manifest_digest(buf):
+    """Return the bundle's identity: its manifest's SHA-256 from the header."""
+    from mpistage.runtime.format import HEADER
+
+    return HEADER.unpack_from(buf)[-1].hex()
+
+
 def node_dir(template, index):
     """Return the directory for node *index* (``{node}`` replaced)."""
     return _os.path.abspath(template.replace("{node}", str(index)))
@@ -70,7 +77,7 @@ class TargetPlace:
         from mpistage.runtime.place import room, target_dir
 
         root = target_dir(self.folder)
-        digest = bytes(buf[32:64]).hex()
+        digest = manifest_digest(buf)
         marker = read_marker(root.fd)
         if marker.get("sha256") == digest and marker.get("state") == "complete":
             root.reused = True
@@ -88,11 +95,11 @@ class TargetPlace:
 
     def done(self, root, buf):
         """Mark the stage complete."""
-        write_marker(root.fd, bytes(buf[32:64]).hex(), "complete")
+        write_marker(root.fd, manifest_digest(buf), "complete")
 
     def discard(self, root):
         """Empty ``DIR`` after a failed stage; the directory itself stays."""
-        from mpistage.runtime.place import empty
+        from mpistage.runtime.removal import empty
 
         if not getattr(root, "reused", False):
             empty(root.fd)
@@ -114,26 +121,18 @@ def busy_message(folder, marker):
 
 def read_marker(fd):
     """Return the stage marker of the directory open as *fd* (``{}`` if none)."""
-    try:
-        mfd = _os.open(MARKER, _os.O_RDONLY | _os.O_NOFOLLOW, dir_fd=fd)
-    except OSError:
-        return {}
-    try:
-        text = _os.read(mfd, 4096).decode(errors="replace")
-    finally:
-        _os.close(mfd)
-    return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+    from mpistage.runtime.place import read_fields
+
+    return read_fields(fd, MARKER)
 
 
 def write_marker(fd, digest, state):
-    """Write the stage marker atomically (a temporary file, then a rename)."""
+    """Write the stage marker atomically (a new temporary file, then a rename)."""
+    from mpistage.runtime.place import write_fields
+
     tmp = f"{MARKER}.{_os.getpid()}"
-    flags = _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_NOFOLLOW | _os.O_CLOEXEC
-    mfd = _os.open(tmp, flags, 0o600, dir_fd=fd)
-    try:
-        _os.write(mfd, f"sha256={digest}\nstate={state}\n".encode())
-    finally:
-        _os.close(mfd)
+    fields = {"sha256": digest, "state": state}
+    write_fields(fd, tmp, fields, _os.O_CREAT | _os.O_EXCL)
     _os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
 
 

@@ -380,15 +380,15 @@ def test_refuses_a_dir_that_is_not_empty(env_bundle, tmp_path, what, discard):
     n0 = tmp_path / "envs" / "n0"
     n0.mkdir(parents=True, mode=0o700)
     if what == "stray file":
-        stray = n0 / "notes.txt"
+        stray, why = n0 / "notes.txt", "is not empty"
         stray.write_text("mine\n")
-    else:
-        stray = n0 / ".mpistage-stage"
-        stray.write_text(json.dumps({"bundle": "old", "bundle_sha256": "0" * 64}))
+    else:  # a complete stage of another bundle, its marker as the stager writes it
+        stray, why = n0 / ".mpistage-stage", "holds an interrupted or different stage"
+        stray.write_text(f"sha256={'0' * 64}\nstate=complete\n")
     before = stray.read_text()
     # Node 1's dir is fine; node 0's is not.
     outcome = stage(2, env_bundle, tmp_path / "envs" / "n{node}", nodes=2)
-    assert_refused(outcome, 2, "not empty", str(n0), "mpistage clean")
+    assert_refused(outcome, 2, why, str(n0), "mpistage clean")
     assert [p.name for p in n0.iterdir()] == [stray.name]
     assert stray.read_text() == before
     # Node 1 ends without a half-written tree: nothing, or a whole stage.

@@ -26,7 +26,6 @@ Two rules keep one user's jobs running whatever else is on the node:
   same host, leader gone or a zombie, not kept with ``--keep``).
 """
 
-import errno as _errno
 import os as _os
 
 from mpistage import StageError
@@ -111,10 +110,21 @@ def step_into(fd, name, path, create=False):
             _os.mkdir(name, 0o700, dir_fd=fd)
         except FileExistsError:
             pass
+    return open_dir(fd, name, path)
+
+
+def open_dir(parent_fd, name, path):
+    """Open the directory *name* below *parent_fd*; refuse a symlink by name."""
+    import stat
+
     try:
-        return _os.open(name, DIR_FLAGS, dir_fd=fd)
+        return _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
-        reason = "is a symlink" if _os.path.islink(path) else exc.strerror.lower()
+        try:
+            link = stat.S_ISLNK(_os.lstat(name, dir_fd=parent_fd).st_mode)
+        except OSError:
+            link = False
+        reason = "is a symlink" if link else exc.strerror.lower()
         raise StageError(f"cannot use {path!r}: {reason}") from None
 
 
@@ -155,11 +165,7 @@ def own_dir(parent_fd, name, path, tighten=True):
         _os.mkdir(name, 0o700, dir_fd=parent_fd)
     except FileExistsError:
         pass  # Probably an earlier job of the same user; checked below.
-    try:
-        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        reason = "is a symlink" if exc.errno == _errno.ELOOP else exc.strerror.lower()
-        raise StageError(f"cannot use {path!r}: {reason}") from None
+    fd = open_dir(parent_fd, name, path)
     try:
         check_own(_os.fstat(fd), path, tighten)
     except BaseException:

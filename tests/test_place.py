@@ -1,0 +1,222 @@
+"""Staging places, directly: the safe-directory rule, squatting, reaping, removal.
+
+Each check of ``place`` is named for what it refuses; each is tried here on
+the directory it must refuse and on one it must accept.
+"""
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+from mpistage import StageError
+from mpistage.runtime import place, removal
+from mpistage.runtime.extract import Footprint
+
+ROOT = os.geteuid() == 0
+
+
+def mode(path):
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def opened(path):
+    """Open the directory *path* (a test helper, no checks)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def test_open_safe_walks_to_the_resolved_path(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    found, fd = place.open_safe(tmp_path / "link")
+    os.close(fd)
+    assert found == str(real)
+
+
+def test_open_safe_refuses_an_ancestor_writable_by_others(tmp_path):
+    shared = tmp_path / "shared"
+    (shared / "mine").mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(StageError, match="writable by others and not sticky"):
+        place.open_safe(shared / "mine")
+    shared.chmod(0o1777)  # sticky, like /tmp: fine
+    os.close(place.open_safe(shared / "mine")[1])
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to chown")
+def test_open_safe_refuses_another_users_directory_and_symlink(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)
+    with pytest.raises(StageError, match="owned by uid 4242"):
+        place.open_safe(theirs)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    os.chown(link, 4242, 4242, follow_symlinks=False)
+    with pytest.raises(StageError, match="a symlink of uid 4242"):
+        place.open_safe(link)
+
+
+def test_own_dir_is_made_private_and_tightened(tmp_path):
+    fd = opened(tmp_path)
+    try:
+        os.close(place.own_dir(fd, "new", str(tmp_path / "new")))
+        assert mode(tmp_path / "new") == 0o700
+        (tmp_path / "loose").mkdir(mode=0o755)
+        os.chmod(tmp_path / "loose", 0o755)
+        os.close(place.own_dir(fd, "loose", "loose"))
+        assert mode(tmp_path / "loose") == 0o700
+        (tmp_path / "open").mkdir()
+        os.chmod(tmp_path / "open", 0o777)
+        with pytest.raises(StageError, match="writable by others"):
+            place.own_dir(fd, "open", "open")
+        (tmp_path / "link").symlink_to(tmp_path / "new")
+        with pytest.raises(StageError, match="is a symlink"):
+            place.own_dir(fd, "link", "link")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("squat", ["symlink", "writable"])
+def test_user_dir_falls_back_to_a_private_one(tmp_path, squat):
+    user = tmp_path / f"mpistage-{os.getuid()}"
+    if squat == "symlink":
+        user.symlink_to(tmp_path)
+    else:
+        user.mkdir()
+        user.chmod(0o777)
+    fd = opened(tmp_path)
+    try:
+        name, user_fd, holder = place.user_dir(fd, str(tmp_path))
+        os.close(user_fd)
+    finally:
+        os.close(fd)
+    assert name.startswith(f"mpistage-{os.getuid()}-") and holder[1] == name
+    assert mode(tmp_path / name) == 0o700
+    assert user.is_symlink() or mode(user) == 0o777  # left as it was
+
+
+def footprint(*sizes, dirs=0):
+    members = [{"type": "file", "size": s} for s in sizes]
+    return Footprint({"members": members + [{"type": "dir"}] * dirs})
+
+
+def test_footprint_counts_whole_blocks():
+    assert footprint(1, 4096, 4097, dirs=2).bytes(4096) == 4096 * (1 + 1 + 2 + 2)
+    assert footprint(0).bytes(4096) == 0
+    assert footprint(1, 1, 1).inodes == 3
+
+
+def test_room_refuses_what_does_not_fit(tmp_path):
+    fd = opened(tmp_path)
+    try:
+        free = os.statvfs(tmp_path)
+        place.room(fd, "here", footprint(4096))
+        with pytest.raises(StageError, match="no space left for the bundle in 'here'"):
+            place.room(fd, "here", footprint(free.f_bavail * free.f_frsize + 1))
+    finally:
+        os.close(fd)
+
+
+def dead_pid():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def root_of(user, name, **fields):
+    path = user / name
+    path.mkdir(mode=0o700)
+    fd = opened(path)
+    try:
+        fields = {"kind": "job", "host": os.uname().nodename, **fields}
+        place.write_fields(fd, place.OWNER_FILE, fields, os.O_CREAT | os.O_EXCL)
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_reap_removes_only_roots_of_dead_jobs_here(tmp_path):
+    user = tmp_path / f"mpistage-{os.getuid()}"
+    user.mkdir(mode=0o700)
+    dead = root_of(user, "job-dead.n0", pid=dead_pid())
+    kept = root_of(user, "job-kept.n0", pid=dead_pid(), keep="yes")
+    live = root_of(user, "job-live.n0", pid=os.getpid())
+    remote = root_of(user, "job-remote.n0", pid=dead_pid(), host="elsewhere")
+    bare = user / "job-bare.n0"  # no owner record: nobody can tell
+    bare.mkdir()
+    private = tmp_path / f"mpistage-{os.getuid()}-abc"
+    private.mkdir(mode=0o700)
+    dead_private = root_of(private, "job-dead.n0", pid=dead_pid())
+    fd = opened(tmp_path)
+    try:
+        place.reap(fd)
+    finally:
+        os.close(fd)
+    assert not dead.exists() and not dead_private.exists()
+    assert kept.exists() and live.exists() and remote.exists() and bare.exists()
+
+
+def test_stale_roots_with_kept_ones_for_clean(tmp_path):
+    root_of(tmp_path, "job-kept.n0", pid=dead_pid(), keep="yes")
+    root_of(tmp_path, "job-dead.n0", pid=dead_pid())
+    fd = opened(tmp_path)
+    try:
+        assert list(place.stale_roots(fd)) == ["job-dead.n0"]
+        assert list(place.stale_roots(fd, kept_too=True)) == [
+            "job-dead.n0",
+            "job-kept.n0",
+        ]
+    finally:
+        os.close(fd)
+
+
+def deep_tree(top, depth):
+    fd = opened(top)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        os.symlink("/etc", "link", dir_fd=fd)  # never followed
+        new = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = new
+    os.close(fd)
+
+
+def test_removal_walks_any_depth_with_two_descriptors(tmp_path):
+    (tmp_path / "t").mkdir()
+    deep_tree(tmp_path / "t", 3000)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    fd = opened(tmp_path)
+    try:
+        removal.remove_entry(fd, "t")
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "t").exists()
+    assert os.path.isdir("/etc")
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_removal_of_what_is_gone_is_no_error(tmp_path):
+    fd = opened(tmp_path)
+    try:
+        removal.remove_entry(fd, "never-there")
+    finally:
+        os.close(fd)
+
+
+def test_fields_round_trip_and_refuse_a_symlink(tmp_path):
+    fd = opened(tmp_path)
+    try:
+        place.write_fields(fd, "rec", {"a": 1, "b": "x=y"}, os.O_CREAT | os.O_EXCL)
+        place.write_fields(fd, "rec", {"c": "z"}, os.O_APPEND)
+        assert place.read_fields(fd, "rec") == {"a": "1", "b": "x=y", "c": "z"}
+        (tmp_path / "victim").write_text("mine")
+        (tmp_path / "link").symlink_to(tmp_path / "victim")
+        with pytest.raises(OSError):
+            place.write_fields(fd, "link", {"a": 1}, os.O_APPEND)
+        assert (tmp_path / "victim").read_text() == "mine"
+        assert place.read_fields(fd, "link") == {}
+    finally:
+        os.close(fd)

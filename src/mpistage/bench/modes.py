@@ -11,6 +11,10 @@ and the workload are. Add a mode by writing a class and listing it in
 - ``mpistage``, ``mpistage-trust``: the runner with a bundle on the shared FS
   (``pack NAMES --stdlib``), with and without the staleness check;
 - ``auto``: the runner's ``--auto``, second run (packages layout);
+- ``live``: the runner with no bundle: imports served live (rank 0 reads,
+  each node keeps a copy);
+- ``auto-first``: the first run of ``--auto`` (live, and the bundle saved),
+  with an empty cache in every cell;
 - ``staged-env``: ``mpistage stage`` of the whole environment (one rank per
   node), then the run from node-local storage; both steps timed and counted;
 - ``local``: everything node-local, the no-cost limit;
@@ -184,6 +188,45 @@ class Auto(Staged):
         return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
 
 
+class Live(Mode):
+    """The runner with no bundle: imports served live."""
+
+    name = "live"
+
+    def runner(self, bench):
+        """Run the target through ``python -m mpistage``, no bundle."""
+        return ["-m", "mpistage"]
+
+    def env(self, bench, nodes):
+        """Also ask the runner for its JSON report."""
+        return dict(super().env(bench, nodes), MPISTAGE_REPORT=bench.report_path)
+
+
+class AutoFirst(Live):
+    """``--auto`` with an empty cache: live imports, then the bundle is saved."""
+
+    name = "auto-first"
+
+    def prepare(self, bench):
+        """A cache directory of its own, emptied after every cell."""
+        self.cache = _os.path.join(bench.work, "auto-first-cache")
+
+    def runner(self, bench):
+        """Run the target through ``python -m mpistage --auto``."""
+        return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
+
+    def launch(self, bench, ranks, nodes, code):
+        """Run the cell; report the saved bundle's size."""
+        start, stats, extra = super().launch(bench, ranks, nodes, code)
+        saved = [_os.path.join(self.cache, n) for n in _os.listdir(self.cache)]
+        extra["bundle_bytes"] = sum(_os.path.getsize(p) for p in saved)
+        return start, stats, extra
+
+    def after(self, bench):
+        """Empty the cache, so that the next cell is a first run again."""
+        _shutil.rmtree(self.cache, ignore_errors=True)
+
+
 class StagedEnv(Mode):
     """``mpistage stage`` (one rank per node), then the run from node-local copies."""
 
@@ -333,7 +376,8 @@ class StagedSmallEnv(StagedEnv):
 
 MODES = {
     "realistic": {
-        m.name: m for m in (Floor, Plain, Staged, StagedTrust, StagedEnv, Local)
+        m.name: m
+        for m in (Floor, Plain, Staged, StagedTrust, Live, AutoFirst, StagedEnv, Local)
     },
     "packages": {
         m.name: m
@@ -342,6 +386,8 @@ MODES = {
             Staged,
             StagedTrust,
             Auto,
+            Live,
+            AutoFirst,
             LocalPackages,
             PlainEnv,
             StagedSmallEnv,

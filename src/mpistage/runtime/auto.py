@@ -109,11 +109,19 @@ def merge(a, b):
     return dict(a, files=sorted(set(a["files"]) | set(b["files"])))
 
 
-def save(comm, recorder, path, args):
-    """Reduce every rank's usage to rank 0, which writes the bundle (collective)."""
+def save(comm, recorder, path, args, live=None):
+    """Reduce every rank's usage to rank 0, which writes the bundle (collective).
+
+    After live imports (*live*), paths in the node's copy count as their
+    originals, and rank 0 adds every file the reader served.
+    """
     from mpistage.runtime.collective import attempt
 
-    usage = comm.reduce(attempt(comm, recorder.usage), op=merge, root=0)
+    def usage():
+        found = recorder.usage()
+        return live.usage(found) if live is not None else found
+
+    usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
 
     def write():
         if comm.rank != 0:

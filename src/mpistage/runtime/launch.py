@@ -21,8 +21,8 @@ usage: python -m mpistage [options] <app.py> [arg] ...
 
 options:
   --bundle FILE   stage FILE (.mpistage) node-locally and import from it
-                  (default: $MPISTAGE_BUNDLE; without a bundle the target
-                  simply runs)
+                  (default: $MPISTAGE_BUNDLE; without a bundle, imports are
+                  served live: rank 0 reads, each node keeps a copy)
   --auto          learn the bundle on the first run (every rank records),
                   replay it on later runs, rebuild it when stale
   --cache-dir DIR where --auto keeps bundles (default: $MPISTAGE_CACHE_DIR,
@@ -38,7 +38,7 @@ options:
 
 environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
-MPISTAGE_CACHE_DIR.
+MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle).
 
 tools: mpistage {pack,record,inspect,stage,run,clean,bench} --help"""
 
@@ -125,6 +125,7 @@ class Runner:
         self.session = Session(world, options.bundle, options.validate, options.keep)
         self.session.on_close.append(self.wrap_up)
         self.recorder, self.auto, self.status, self.watch = None, None, 0, None
+        self.live = None
 
     def start(self):
         """Check the target, then stage (or, with ``--auto``, maybe record)."""
@@ -136,6 +137,8 @@ class Runner:
             self.start_auto()
         elif self.options.bundle:
             self.session.start()
+        else:
+            self.start_live()
         if self.reporting() and self.session.staged is not None:
             from mpistage.runtime.report import Watch
 
@@ -176,10 +179,27 @@ class Runner:
         if verdict:
             from mpistage.runtime.session import watch_finalize
 
+            self.start_live()
             self.recorder = auto.start_recording()
             watch_finalize(session)
         else:
             session.spread(buf, manifest)
+
+    # -- live imports (no bundle; the first --auto run) ------------------------
+
+    def start_live(self):
+        """Serve imports live (:mod:`~mpistage.runtime.live`) unless switched off."""
+        from mpistage.runtime.live import LiveSession, wanted
+        from mpistage.runtime.session import watch_finalize
+
+        if not wanted(self.world):
+            return
+        self.live = LiveSession(self.session, self.args)
+        if self.live.start():
+            self.session.on_close.insert(0, self.live.close)
+            watch_finalize(self.session)
+
+    # -- the program --------------------------------------------------------------
 
     def run(self):
         """Run the target like ``python -m mpi4py``; end the job if it fails."""
@@ -228,10 +248,11 @@ class Runner:
         if self.recorder is not None:
             from mpistage.runtime import auto
 
-            auto.save(self.world, self.recorder, session.bundle, self.args)
+            auto.save(self.world, self.recorder, session.bundle, self.args, self.live)
         if not self.reporting():
             return
         facts = report.local_facts(session, session.seconds, self.watch)
+        facts["live"] = self.live.facts() if self.live else None
         ranks = self.world.gather(facts, root=0)
         if self.world.rank == 0:
             summary = report.summarize(self.job_facts(), ranks)
@@ -245,6 +266,7 @@ class Runner:
             "bundle": session.bundle,
             "bundle_bytes": session.staged.nbytes if session.staged else 0,
             "auto": self.auto,
+            "live": self.live.mode if self.live else None,
         }
 
 

@@ -1,0 +1,333 @@
+"""Live imports: no bundle, and still one reader and one copy per node.
+
+``python -m mpistage app.py`` with no bundle, and the first run of
+``--auto``, serve imports live. World rank 0, the reader
+(:mod:`~.reader`), resolves names and reads the originals; what it reads
+goes once to every node leader (:mod:`~.relay`) and into the node's copy
+(:mod:`~.mirror`); every rank imports from that copy (:mod:`~.livefinder`)
+and asks its leader for what is not there yet (:mod:`~.request`). Nothing
+is collective per import, so ranks that import different things, or
+nothing, or that fail an import, cannot hang each other.
+
+:class:`LiveSession` is the whole life of it on one rank: :meth:`start`
+(collective) and :meth:`close` (collective, also from inside
+``MPI_Finalize``). The relays are threads, so MPI must allow
+``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default); when any rank has
+less, the job runs the plain way, and rank 0 says so in one line.
+"""
+
+import os as _os
+import sys as _sys
+
+from mpistage import StageError
+from mpistage.runtime.collective import attempt, barrier
+
+
+class NoFootprint:
+    """A live copy starts empty: only the root needs room."""
+
+    inodes = 1
+
+    def bytes(self, block):
+        """No blocks are needed before the first file."""
+        return 0
+
+
+class LiveSession:
+    """Live imports on one rank, from the first request to the copy's removal."""
+
+    def __init__(self, session, args):
+        self.session, self.args = session, list(args)
+        self.mode = None  # "live", or why the job runs the plain way
+        self.root = self.writer = self.relay = self.client = self.listings = None
+        self.roots, self.copy_root, self.installed = (), None, None
+        self.comms = ()
+        self.closed, self.pid = False, _os.getpid()
+        self.counts = {"requests": 0, "fallbacks": 0}
+        self.served = []  # the reader's files, for --auto
+
+    # -- start ---------------------------------------------------------------
+
+    def start(self):
+        """Set up the reader, the relays and the finder on every rank (collective)."""
+        topo = self.session.discover()
+        why = self.threads_missing(topo.world)
+        if why:
+            self.mode = why
+            if topo.world.rank == 0:
+                print(f"mpistage: {why}", file=_sys.stderr, flush=True)
+            return False
+        self.comms = (topo.world.Dup(), topo.world.Dup())
+        try:
+            self.place(topo)
+            self.serve(topo)
+            attempt(topo.world, self.install)
+        except StageError:
+            self.abandon()
+            raise
+        self.mode = "live"
+        return True
+
+    def threads_missing(self, world):
+        """Return why live imports cannot run here (agreed), or ``None``."""
+        from mpi4py import MPI
+
+        from mpistage.runtime.collective import first_failure
+
+        level = MPI.Query_thread()
+        rank = first_failure(world, level < MPI.THREAD_MULTIPLE)
+        if rank is None:
+            return None
+        return (
+            f"no live imports: MPI gives rank {rank} no MPI_THREAD_MULTIPLE; "
+            "the program imports the plain way"
+        )
+
+    def place(self, topo):
+        """Leaders make the node's copy (a guarded per-job root); all learn where."""
+        from mpistage.runtime.broadcast import share
+        from mpistage.runtime.place import job_tag
+        from mpistage.runtime.stage import JobPlace
+
+        tag = topo.world.bcast(job_tag() if topo.world.rank == 0 else None, root=0)
+
+        def on_leader():
+            from mpistage.runtime.mirror import Writer
+
+            if topo.is_leader:
+                place = JobPlace(tag, topo.index, self.session.keep)
+                self.root = place.make(None, NoFootprint())
+                self.writer = Writer(self.root)
+
+        attempt(topo.world, on_leader)
+        self.copy_root = share(topo.node, self.root.path if self.root else None)
+
+    def serve(self, topo):
+        """Start the relays (leaders; the reader on rank 0) and this rank's client."""
+        from mpistage.runtime import request
+        from mpistage.runtime.mirror import Listings
+
+        serve, reply = self.comms
+        world = topo.world
+        leaders = topo.leaders.allgather(world.rank) if topo.is_leader else None
+        leader = topo.node.bcast(world.rank if topo.is_leader else None, root=0)
+        if topo.is_leader:
+            self.relay = self.make_relay(topo, leaders)
+            self.relay.start()
+        if world.rank == 0:
+            self.client = request.ReaderClient(self.relay)
+        elif topo.is_leader:
+            self.client = request.LeaderClient(self.relay)
+        else:
+            self.client = request.RankClient(serve, reply, leader)
+        self.listings = Listings(self.copy_root)
+
+    def make_relay(self, topo, leaders):
+        """Return this leader's relay, holding the reader on world rank 0."""
+        from mpistage.runtime.reader import Reader
+        from mpistage.runtime.relay import Relay
+
+        reader = Reader() if topo.world.rank == 0 else None
+        serve, reply = self.comms
+        return Relay(serve, reply, leaders, topo.leaders.rank, self.writer, reader)
+
+    def install(self):
+        """Serve imports live: the path hook, distributions, no stale finders."""
+        import importlib.machinery
+
+        from mpistage.runtime import livefinder
+
+        self.roots = served_roots(self.args)
+        hook = livefinder.LiveHook(self)
+        _sys.path_hooks.insert(0, hook)
+        meta = None
+        for index, finder in enumerate(_sys.meta_path):
+            if finder is importlib.machinery.PathFinder:
+                meta = _sys.meta_path[index] = livefinder.LiveMetaFinder(finder, self)
+                break
+        livefinder.CURRENT[0] = self
+        self.installed = (hook, meta)
+        forget_finders(self)
+
+    # -- what the finder asks ------------------------------------------------
+
+    def usable(self):
+        """Whether imports are served live in this process now."""
+        return not self.closed and _os.getpid() == self.pid
+
+    def serves(self, folder):
+        """Whether the directory *folder* is served live."""
+        if folder.startswith(self.copy_root + "/"):
+            return False
+        return any(folder == r or folder.startswith(r + "/") for r in self.roots)
+
+    def listing(self, path):
+        """Return the listing of *path* (asking for it once); raise if none comes."""
+        from mpistage.runtime.livefinder import Unknown
+
+        entries = self.listings.get(path)
+        if entries is Ellipsis:
+            self.need(("d", path))
+            entries = self.listings.get(path)
+            if entries is Ellipsis:
+                raise Unknown(path)
+        return entries
+
+    def knows(self, path):
+        """Whether the listing of *path* is here."""
+        return self.listings.get(path) is not Ellipsis
+
+    def copy(self, path):
+        """Return where the original *path* is in this node's copy."""
+        from mpistage.runtime.mirror import copy_path
+
+        return copy_path(self.copy_root, path)
+
+    def present(self, kind, path):
+        """Whether the node's copy holds the module file(s) of *path*."""
+        if kind == "source":
+            from importlib.util import cache_from_source
+
+            if _os.path.exists(self.copy(cache_from_source(path))):
+                return True
+        return _os.path.exists(self.copy(path))
+
+    def fetch(self, path):
+        """Return the copy of the file *path*, asking for it if needed; or ``None``."""
+        copy = self.copy(path)
+        if not _os.path.exists(copy):
+            self.need(("f", path))
+            if not _os.path.exists(copy):
+                self.counts["fallbacks"] += 1
+                return None
+        return copy
+
+    def need(self, key):
+        """Ask along the request path until the node's copy answers *key*."""
+        self.counts["requests"] += 1
+        return self.client.need(key)
+
+    # -- the end -------------------------------------------------------------
+
+    def close(self, session=None):
+        """After the program: stop serving, uninstall, remove the copy (collective)."""
+        from mpi4py import MPI
+
+        if self.mode != "live" or self.closed or not self.usable():
+            return
+        topo = self.session.topology
+        barrier(topo.world)  # every rank is done with the program
+        self.client.close()
+        self.closed = True
+        if self.relay is not None:
+            self.relay.close()
+            if self.relay.reader is not None:
+                self.served = sorted(self.relay.reader.sent)
+                self.relay.reader.close()
+        self.uninstall()
+        alive = not MPI.Is_finalized()
+        barrier(topo.node)
+        self.remove()
+        if alive:
+            barrier(topo.node)
+        for comm in self.comms:
+            comm.Free()
+
+    def uninstall(self):
+        """Take the hook and the distribution finder out; drop live finders."""
+        from mpistage.runtime import livefinder
+
+        hook, meta = self.installed or (None, None)
+        if hook in _sys.path_hooks:
+            _sys.path_hooks.remove(hook)
+        for index, finder in enumerate(_sys.meta_path):
+            if finder is meta:
+                _sys.meta_path[index] = meta.base
+        for path, finder in list(_sys.path_importer_cache.items()):
+            if isinstance(finder, livefinder.LiveFinder):
+                del _sys.path_importer_cache[path]
+        livefinder.CURRENT[0] = None
+        if self.listings is not None:
+            self.listings.close()
+
+    def remove(self):
+        """The leader removes its node's copy (unless kept)."""
+        from mpistage.runtime.cleanup import disarm, release
+        from mpistage.runtime.place import mark_kept
+
+        if self.root is None:
+            return
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.session.keep:
+            disarm(self.root)
+            mark_kept(self.root)
+        else:
+            release(self.root)
+
+    def abandon(self):
+        """The start failed (agreed): remove this leader's copy, if any."""
+        from mpistage.runtime.cleanup import release
+
+        self.closed = True
+        if self.root is not None:
+            try:
+                if self.writer is not None:
+                    self.writer.close()
+                release(self.root)
+            except (OSError, StageError):
+                pass  # The watchdog removes it when the leader is gone.
+
+    def facts(self):
+        """Return this rank's figures for the report."""
+        facts = {"mode": self.mode, **self.counts}
+        if self.relay is not None:
+            facts.update({f"relay_{k}": v for k, v in self.relay.counts.items()})
+            if self.relay.reader is not None:
+                facts.update(
+                    {f"read_{k}": v for k, v in self.relay.reader.counts.items()}
+                )
+        return facts
+
+    def usage(self, found):
+        """Return a recorder's *found* usage with copies as originals, plus served."""
+        files = {self.original(p) for p in found["files"]} | set(self.served)
+        listed = {self.original(p) for p in found.get("listed", [])}
+        return dict(found, files=sorted(files), listed=sorted(listed))
+
+    def original(self, path):
+        """Return the original of a path in this node's copy (else *path*)."""
+        from mpistage.runtime.mirror import TREE
+
+        head = f"{self.copy_root}/{TREE}"
+        if self.copy_root and path.startswith(head + "/"):
+            return path[len(head) :]
+        return path
+
+
+def wanted(world):
+    """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
+    from mpistage.runtime.broadcast import share
+    from mpistage.runtime.place import flag
+
+    value = attempt(
+        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
+    )
+    return share(world, value)
+
+
+def served_roots(args):
+    """Return the directories served live: ``sys.path`` now, the target's."""
+    from mpistage.runtime.auto import target_path0
+
+    found = [_os.path.abspath(p or ".") for p in _sys.path]
+    found.append(target_path0(args))
+    return tuple(dict.fromkeys(p for p in found if p and p != "/"))
+
+
+def forget_finders(live):
+    """Drop cached path finders of served directories, so the hook is asked."""
+    for path in list(_sys.path_importer_cache):
+        if live.serves(_os.path.abspath(path or ".")):
+            del _sys.path_importer_cache[path]

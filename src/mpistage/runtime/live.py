@@ -53,7 +53,7 @@ class LiveSession:
         topo = self.session.discover()
         why = self.threads_missing(topo.world)
         if why:
-            self.mode = why
+            self.mode = "plain: no MPI_THREAD_MULTIPLE"
             if topo.world.rank == 0:
                 print(f"mpistage: {why}", file=_sys.stderr, flush=True)
             return False

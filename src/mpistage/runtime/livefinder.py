@@ -185,6 +185,10 @@ class LiveSourceLoader(_SourceFileLoader):
         super().__init__(fullname, path)
         self.live = live
 
+    def staged_path(self, path):
+        """Return where the original *path* is in the node's copy."""
+        return self.live.copy(path)
+
     def get_data(self, path):
         """Read *path* from the copy (the source is fetched when needed)."""
         copy = self.live.copy(path)

@@ -97,10 +97,10 @@ def test_a_module_only_one_rank_imports(tmp_path, env, stage_dir, site, ranks):
 
 
 EARLY = """
-import sys, time
+import os, sys, time
 from mpi4py import MPI
 world = MPI.COMM_WORLD
-early = (world.size + 1) // 2 if world.size > 1 else 0  # leads node 1
+early = int(os.environ["EARLY"])
 if world.rank == early:
     emit("left")
     sys.exit(0)
@@ -110,12 +110,14 @@ emit([late.LATE, livepkg.sub.TWICE, where(late)])
 """
 
 
+@pytest.mark.parametrize("who", ["reader", "leader"])
 @pytest.mark.parametrize("ranks", [2, 5])
-def test_a_rank_that_leaves_early_blocks_nobody(tmp_path, env, stage_dir, ranks):
+def test_a_rank_that_leaves_early_blocks_nobody(tmp_path, env, stage_dir, ranks, who):
+    """Rank 0 (the reader) or node 1's leader leaves; their relays serve on."""
+    early = 0 if who == "reader" else (ranks + 1) // 2
     target = write_target(tmp_path / "early.py", EARLY)
-    result, env = launch(ranks, target, env, cwd=tmp_path)
+    result, env = launch(ranks, target, dict(env, EARLY=str(early)), cwd=tmp_path)
     assert result.returncode == 0, result
-    early = (ranks + 1) // 2
     for rank, got in enumerate(results(env, ranks)):
         if rank == early:
             assert got == "left"
@@ -147,6 +149,31 @@ def test_an_import_error_is_on_its_rank_only(tmp_path, env, stage_dir, ranks):
     message = "No module named 'no_such_module_anywhere'"
     assert emitted[-1] == ["error", message, "no_such_module_anywhere"]
     assert emitted[:-1] == [["ok", "common"]] * (ranks - 1)
+
+
+CREATED = """
+import importlib, os, sys
+from mpi4py import MPI
+import common  # the script's directory is listed by now
+rank = MPI.COMM_WORLD.rank
+with open(os.path.join(os.path.dirname(__file__), f"made{rank}.py"), "w") as f:
+    f.write(f"MADE = {rank}")
+importlib.invalidate_caches()
+module = importlib.import_module(f"made{rank}")
+emit([module.MADE, where(module)])
+"""
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_a_module_created_while_running(tmp_path, env, stage_dir, ranks):
+    """After ``importlib.invalidate_caches()``, a new module is found, as plain."""
+    app = tmp_path / "app"
+    app.mkdir()
+    target = write_target(app / "made.py", CREATED)
+    result, env = launch(ranks, target, env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    for rank, (made, read) in enumerate(results(env, ranks)):
+        assert made == rank and below(read, stage_dir), read
 
 
 UNCAUGHT = """

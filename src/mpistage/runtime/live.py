@@ -42,7 +42,8 @@ class LiveSession:
         self.root = self.writer = self.relay = self.client = self.listings = None
         self.roots, self.copy_root, self.installed = (), None, None
         self.comms = ()
-        self.closed, self.pid = False, _os.getpid()
+        self.closed, self.pid, self.generation = False, _os.getpid(), 0
+        self.fresh = {}  # directory: the cache reset its listing was read after
         self.counts = {"requests": 0, "fallbacks": 0}
         self.served = []  # the reader's files, for --auto
 
@@ -165,17 +166,44 @@ class LiveSession:
         """Return the listing of *path* (asking for it once); raise if none comes."""
         from mpistage.runtime.livefinder import Unknown
 
-        entries = self.listings.get(path)
-        if entries is Ellipsis:
+        found = self.listings.get(path)
+        if found is None:
             self.need(("d", path))
-            entries = self.listings.get(path)
-            if entries is Ellipsis:
+            found = self.listings.get(path)
+            if found is None:
                 raise Unknown(path)
-        return entries
+        return found[0]
 
     def knows(self, path):
         """Whether the listing of *path* is here."""
-        return self.listings.get(path) is not Ellipsis
+        return self.listings.get(path) is not None
+
+    def module_key(self, folder, name):
+        """Return the key that asks for module *name* in *folder*."""
+        found = self.listings.get(folder)
+        return ("m", folder, name, found[1] if found else 0)
+
+    def stale(self, path):
+        """Whether *path*'s listing came before this rank's last cache reset."""
+        return self.fresh.get(path, 0) < self.generation
+
+    def refresh(self, path):
+        """Ask for a listing of *path* read after the last cache reset."""
+        rank = self.session.topology.world.rank
+        self.need(("r", path, rank, self.generation))
+        self.fresh[path] = self.generation
+        self.listings.get(path, fresh=True)
+
+    def invalidate(self):
+        """``importlib.invalidate_caches()``: listings read before are stale.
+
+        A name then missing from a listing makes the reader list that
+        directory again, once per reset and rank (the rank's reset and the
+        reader's new listing are then in order), so a module the program
+        created after the listing was read is found, as ``FileFinder``
+        finds it.
+        """
+        self.generation += 1
 
     def copy(self, path):
         """Return where the original *path* is in this node's copy."""

@@ -123,6 +123,9 @@ class LiveFinder(_FileFinder):
             return self.regular().find_spec(fullname, target)
         try:
             found = self.located(name)
+            if found is None and live.stale(self.path):
+                live.refresh(self.path)  # created since it was listed?
+                found = self.located(name)
         except Unknown:
             return self.regular().find_spec(fullname, target)
         if found is None:
@@ -135,7 +138,7 @@ class LiveFinder(_FileFinder):
             spec.submodule_search_locations = search
             return spec
         if not live.present(kind, path):
-            live.need(("m", self.path, name))
+            live.need(live.module_key(self.path, name))
             if not live.present(kind, path):
                 return self.regular().find_spec(fullname, target)
         return live_spec(fullname, kind, path, search, live)
@@ -146,7 +149,7 @@ class LiveFinder(_FileFinder):
         entries = live.listing(self.path)
         base = f"{self.path}/{name}"
         if entries and name + "/" in entries and not live.knows(base):
-            live.need(("m", self.path, name))
+            live.need(live.module_key(self.path, name))
         return locate(live.listing, self.path, name)
 
     def invalidate_caches(self):
@@ -421,5 +424,6 @@ class LiveMetaFinder:
         return found
 
     def invalidate_caches(self):
-        """Drop ``PathFinder``'s caches."""
+        """Drop ``PathFinder``'s caches; listings read so far become stale."""
+        self.live.invalidate()
         self.base.invalidate_caches()

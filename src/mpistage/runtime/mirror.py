@@ -12,8 +12,9 @@ directory listing) and every rank of the node reads them:
   to a temporary name and renamed into place: a file that exists is
   complete;
 - listings go to an append-only log, ``<root>/.mpistage-listings``, one
-  length-prefixed record each, which ranks read from where they left off:
-  a rank learns what its leader knows without asking it.
+  length-prefixed record each (path, entries, version), which ranks
+  read from where they left off: a rank learns what its leader knows
+  without asking it.
 
 The leader creates everything relative to directory descriptors, without
 following symlinks, like extraction does (:class:`~.extract.Dirs`); the root
@@ -129,7 +130,9 @@ class Listings:
     """A rank's side: the listings its leader logged, read as they come.
 
     Each listing is ``None`` (no such directory), ``False`` (not a
-    directory) or a tuple of entries, directories ending in ``/``.
+    directory) or a tuple of entries, directories ending in ``/``, with its
+    version (the reader lists a directory again when asked, see
+    :mod:`~.live`): a newer record of a directory replaces an older one.
     """
 
     def __init__(self, root):
@@ -139,12 +142,17 @@ class Listings:
         self.fd, self.offset, self.known = None, 0, {}
         self.lock = _thread.allocate_lock()
 
-    def get(self, path, default=Ellipsis):
-        """Return the listing of *path*, reading new records first if unknown."""
-        if path not in self.known:
+    def get(self, path, fresh=False):
+        """Return (entries, version) of *path*, or ``None``.
+
+        New records are read first when the listing is unknown, or *fresh*.
+        """
+        found = self.known.get(path)
+        if found is None or fresh:
             with self.lock:
                 self.refresh()
-        return self.known.get(path, default)
+            found = self.known.get(path)
+        return found
 
     def refresh(self):
         """Read the records appended since the last call; keep a partial one."""
@@ -166,8 +174,11 @@ class Listings:
             size = int.from_bytes(blob[at : at + HEADER], "little")
             if at + HEADER + size > len(blob):
                 break  # Being written: read again next time.
-            path, entries = marshal.loads(blob[at + HEADER : at + HEADER + size])
-            self.known[path] = entries
+            path, entries, version = marshal.loads(
+                blob[at + HEADER : at + HEADER + size]
+            )
+            if version >= self.known.get(path, (None, -1))[1]:
+                self.known[path] = (entries, version)
             at += HEADER + size
         self.offset += at
 

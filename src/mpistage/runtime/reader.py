@@ -5,7 +5,11 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
 (:mod:`~.mirror`), each item at most once:
 
 - ``("d", dir)``: the directory's listing;
-- ``("m", dir, name)``: a module or package, as plain python would read it
+- ``("r", dir, rank, generation)``: the listing read again, for a rank that
+  called ``importlib.invalidate_caches()`` and then missed a name there
+  (see :mod:`~.live`); each listing read has a version, counted per
+  directory;
+- ``("m", dir, name, version)``: a module or package, as plain python would read it
   next: the package's listing and its ``__init__``, or the module's file.
   For source, that is the bytecode in ``__pycache__`` when it is valid for
   the source (the source itself is stat'ed, not read: a rank needs it only
@@ -19,7 +23,7 @@ Everything is reached relative to directory descriptors opened once
 open, not a walk of its whole path: this is what keeps rank 0 below plain
 python's operations although it reads for every node.
 
-Items are ``("d", dir, entries)`` and ``("f", path, data, mode, mtime_ns)``;
+Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode, mtime_ns)``;
 ``entries`` is ``None`` (no such directory), ``False`` (not a directory) or
 the sorted entries, directories ending in ``/``; ``data`` is ``None`` when
 the file cannot be read.
@@ -44,8 +48,8 @@ class Reader:
     def items(self, key):
         """Return the new items that answer *key*."""
         out = []
-        if key[0] == "d":
-            self.listing(key[1], out)
+        if key[0] in ("d", "r"):
+            self.listing(key[1], out, key[0] == "r")
         elif key[0] == "m":
             self.module(key[1], key[2], out)
         elif key[0] == "f":
@@ -139,19 +143,25 @@ class Reader:
         data, mode, mtime = got if got else (None, 0, None)
         out.append(("f", path, data, mode, mtime))
 
-    def listing(self, path, out):
-        """Return the listing of *path*; add it as an item the first time."""
-        if path not in self.listings:
-            self.listings[path] = entries = self.list_dir(path)
+    def listing(self, path, out, again=False):
+        """Return the listing of *path*; add it as an item when (re)read.
+
+        It is read once, and *again* when a rank asks for a fresh one.
+        """
+        known = self.listings.get(path)
+        if known is None or again:
+            entries = self.list_dir(path)
+            version = known[1] + 1 if known else 0
+            self.listings[path] = known = (entries, version)
             self.counts["listings"] += 1
-            out.append(("d", path, entries))
-        entries = self.listings[path]
+            out.append(("d", path, entries, version))
+        entries = known[0]
         return frozenset(entries) if entries else entries
 
     def listed_dir(self, folder, name):
         """Whether *folder*'s listing (if read) shows a directory *name*."""
-        entries = self.listings.get(folder, Ellipsis)
-        return entries is Ellipsis or bool(entries and name + "/" in entries)
+        known = self.listings.get(folder)
+        return known is None or bool(known[0] and name + "/" in known[0])
 
     def list_dir(self, path):
         """Read the entries of *path*: ``None`` if absent, ``False`` if no dir."""

@@ -163,9 +163,10 @@ def emit(report, show):
 
 
 def write_json(path, data):
-    """Write *data* as JSON to *path* atomically."""
-    import json
-    import tempfile
+    """Write *data* as JSON to *path* atomically (with mpistage's own modules)."""
+    from mpistage import own_module
+
+    json, tempfile = own_module("json"), own_module("tempfile")
 
     folder = _os.path.dirname(_os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".mpistage-report-")

@@ -112,15 +112,44 @@ def own_module(name):
     ``_hashlib``) leaves no trace in ``sys.modules``: the module is imported
     from the standard library alone (a ``json.py`` beside the script is not
     it), kept here, and every entry the import added to ``sys.modules`` is
-    taken out again, and any the program had is put back.
+    taken out again, and any the program had is put back. Code that looks
+    its own package up by name while it runs (``_json`` does, to raise an
+    error) runs inside :func:`lend`.
     """
     if name not in _OWN:
         _OWN[name] = _import_aside(name)
-    return _OWN[name]
+    return _OWN[name][name]
+
+
+def lend(name):
+    """A context in which ``sys.modules`` holds mpistage's own *name* and its parts."""
+    own_module(name)
+    return _Lent(_OWN[name])
+
+
+class _Lent:
+    """Puts some ``sys.modules`` entries in place for a while, then back."""
+
+    def __init__(self, entries):
+        self.entries, self.saved = entries, {}
+
+    def __enter__(self):
+        self.saved = {k: _sys.modules.get(k) for k in self.entries}
+        _sys.modules.update(self.entries)
+
+    def __exit__(self, *exc):
+        for key, module in self.saved.items():
+            if module is None:
+                _sys.modules.pop(key, None)
+            else:
+                _sys.modules[key] = module
 
 
 def _import_aside(name):
-    """Import *name* from the standard library; leave ``sys.modules`` as it was."""
+    """Import *name* from the standard library; return the entries it added.
+
+    ``sys.modules`` is left as it was.
+    """
     import os
 
     modules, path = dict(_sys.modules), _sys.path[:]
@@ -132,7 +161,7 @@ def _import_aside(name):
     _sys.meta_path.insert(0, finder)
     try:
         __import__(name)
-        return _sys.modules[name]
+        return {k: m for k, m in _sys.modules.items() if modules.get(k) is not m}
     finally:
         _sys.meta_path.remove(finder)
         _sys.path[:] = path

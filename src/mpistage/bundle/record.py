@@ -285,13 +285,14 @@ def save_usage(recorder, folder):
 
     It runs at the program's exit: its ``json`` may be the program's own.
     """
-    from mpistage import own_module
+    from mpistage import lend, own_module
 
     json = own_module("json")
 
     path = _os.path.join(folder, f"usage.{_os.getpid()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(recorder.usage(), f)
+    usage = recorder.usage()
+    with open(path + ".tmp", "w") as f, lend("json"):
+        json.dump(usage, f)
     _os.replace(path + ".tmp", path)
 
 

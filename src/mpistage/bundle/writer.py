@@ -20,7 +20,6 @@ own temporaries) are left out, so ``pack --path .`` with the output in
 ``.`` does not take the previous bundle and is not stale at once.
 """
 
-import hashlib as _hashlib
 import os as _os
 
 from mpistage import StageError
@@ -268,7 +267,7 @@ class Writer:
 
     def copy(self, path, data=None):
         """Append a file's content (or *data*); return offset, size, digest."""
-        offset, digest, size = self.file.tell(), _hashlib.sha256(), 0
+        offset, digest, size = self.file.tell(), _format.sha256(), 0
         chunks = [data] if data is not None else file_chunks(path)
         for chunk in chunks:
             digest.update(chunk)
@@ -285,7 +284,7 @@ class Writer:
         offset = self.file.tell()
         self.file.write(raw)
         self.file.seek(0)
-        digest = _hashlib.sha256(raw).digest()
+        digest = _format.sha256(raw).digest()
         header = _format.HEADER.pack(
             _format.MAGIC, _format.FORMAT, 0, offset, len(raw), digest
         )

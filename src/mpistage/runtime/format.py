@@ -89,13 +89,14 @@ def sha256(data=b""):
 
 def load_manifest(raw, digest, name):
     """Decode the manifest bytes *raw* after checking them against *digest*."""
-    from mpistage import own_module
+    from mpistage import lend, own_module
 
     json = own_module("json")
     if sha256(raw).digest() != digest:
         raise StageError(f"bundle {name!r} is corrupt: manifest checksum mismatch")
     try:
-        manifest = json.loads(bytes(raw))
+        with lend("json"):
+            manifest = json.loads(bytes(raw))
     except ValueError as exc:
         raise StageError(f"bundle {name!r} is malformed: manifest: {exc}") from None
     return manifest

@@ -322,6 +322,11 @@ def install(site, own):
     (site / "newdist-1.0.dist-info").mkdir()
 
 
+def replace_root(site, own):
+    os.rename(site, site.with_name("site.old"))
+    shutil.copytree(site.with_name("site.old"), site)  # same names, sizes, mtimes
+
+
 # change: (what it does, found: a name now found where it is, per mode: stale?)
 TABLE = {
     "install another distribution": (install, "newdist", "----"),
@@ -384,6 +389,7 @@ TABLE = {
         "-SS-",
     ),
     ".pth added": (lambda s, o: (s / "new.pth").write_text("/x\n"), None, "SSS-"),
+    "a bundled root replaced": (replace_root, None, "SSS-"),
     "shadowing module in another root": (
         lambda s, o: (o / "tabmod.py").write_text(""),
         "tabmod",

@@ -342,10 +342,23 @@ def repoint(roots):
         root.staged = None
 
 
+def namespace_of(module):
+    """Return a module's ``__dict__`` without running its code, or ``None``.
+
+    A lazily loaded module (``importlib.util.LazyLoader``) would load itself
+    on any attribute looked up the usual way.
+    """
+    from types import ModuleType
+
+    if not isinstance(module, ModuleType):
+        return None
+    return object.__getattribute__(module, "__dict__")
+
+
 def repoint_module(module, original):
     """Map the paths of one module (see :func:`repoint`) with *original*."""
-    namespace = getattr(module, "__dict__", None)
-    if not isinstance(namespace, dict):
+    namespace = namespace_of(module)
+    if namespace is None:
         return
     for key in ("__file__", "__cached__"):
         if isinstance(namespace.get(key), str):

@@ -142,10 +142,12 @@ class ProgramAside:
     def __enter__(self):
         here = _os.path.abspath(_sys.path[0] or ".")
         self.path = _sys.path[:]
+        from mpistage.runtime.activate import namespace_of
+
         self.modules = {
             name: module
             for name, module in list(_sys.modules.items())
-            if below(getattr(module, "__file__", None), here)
+            if below((namespace_of(module) or {}).get("__file__"), here)
         }
         _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != here]
         for name in self.modules:

@@ -127,3 +127,38 @@ def test_version_without_mpi():
     result = mpistage(["--version"], env=clean_environ())
     assert result.returncode == 0, result
     assert result.stdout.strip() == f"mpistage {api.__version__}"
+
+
+AFTER_APP = """
+import os, sys
+from mpi4py import MPI
+import mpistage
+
+comm = MPI.COMM_WORLD
+with mpistage.staged(sys.argv[1], comm=comm) as session:
+    import tinypkg
+    inside, copy = tinypkg.__file__, session.staged.path
+import tinypkg.sub  # not imported inside the block
+with open(os.path.join(os.path.dirname(tinypkg.__file__), "blob.bin"), "rb") as f:
+    blob = len(f.read())
+emit({"inside": inside, "copy": copy, "after": tinypkg.__file__,
+      "spec": tinypkg.__spec__.origin, "path": list(tinypkg.__path__),
+      "sub": tinypkg.sub.TEXT, "sub_file": tinypkg.sub.__file__, "blob": blob,
+      "copy_exists": os.path.exists(copy)})
+"""
+
+
+def test_imports_after_the_block_come_from_the_originals(tmp_path, stage_env, tiny):
+    target = write_target(tmp_path / "app.py", AFTER_APP)
+    env = dict(stage_env, PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(4, [target, tiny["bundle"]], env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    pkg = tiny["site"] / "tinypkg"
+    for facts in results(env, 4):
+        assert facts["inside"] == facts["copy"] + "/r0/tinypkg/__init__.py", facts
+        assert not facts["copy_exists"], facts
+        assert facts["after"] == facts["spec"] == str(pkg / "__init__.py"), facts
+        assert facts["path"] == [str(pkg)], facts
+        assert facts["sub"] == "tiny data", facts
+        assert facts["sub_file"] == str(pkg / "sub" / "__init__.py"), facts
+        assert facts["blob"] == 10_000, facts

@@ -244,3 +244,23 @@ def test_bundle_python_tag_matches_this_python():
     assert bundle.python_mismatch({"python": tag}) is None
     other = dict(tag, version="2.7")
     assert "built for Python '2.7'" in bundle.python_mismatch({"python": other})
+
+
+def test_pack_path_dot_leaves_bundles_out(tmp_path, stage_env):
+    from stagetools import mpirun, results, write_target
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper.py").write_text("H = 'helped'\n")
+    script = write_target(project / "main.py", "import helper\nemit(helper.H)\n")
+    (project / "other.mpistage").write_bytes(b"another bundle, not a module")
+    out = project / "app.mpistage"
+    for _ in range(2):  # the second pack finds the first bundle in "."
+        pack(out, "--path", ".", cwd=project)
+    rels = {m["rel"] for m in bundle.read_manifest(out)["members"]}
+    assert "helper.py" in rels and "main.py" in rels, rels
+    assert not [r for r in rels if ".mpistage" in r], rels
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(2, ["-m", "mpistage", "--bundle", out, script], env, cwd=project)
+    assert result.returncode == 0, result  # not stale
+    assert results(env, 2) == ["helped", "helped"]

@@ -63,7 +63,8 @@ def run_parser():
         "--workload",
         action="append",
         default=[],
-        help="numpy, generated (default: numpy; with --layout packages, both)",
+        help="numpy, scipy, pandas, generated (default: numpy; with --layout "
+        "packages, numpy and generated); repeat it for several",
     )
     p.add_argument("--code", help="custom workload: code every rank runs")
     p.add_argument(

@@ -281,12 +281,18 @@ def start_child(folder):
 
 
 def save_usage(recorder, folder):
-    """Write *recorder*'s usage as ``usage.<pid>.json`` in *folder*."""
-    import json
+    """Write *recorder*'s usage as ``usage.<pid>.json`` in *folder*.
+
+    It runs at the program's exit: its ``json`` may be the program's own.
+    """
+    from mpistage import lend, own_module
+
+    json = own_module("json")
 
     path = _os.path.join(folder, f"usage.{_os.getpid()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(recorder.usage(), f)
+    usage = recorder.usage()
+    with open(path + ".tmp", "w") as f, lend("json"):
+        json.dump(usage, f)
     _os.replace(path + ".tmp", path)
 
 

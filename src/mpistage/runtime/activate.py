@@ -28,9 +28,9 @@ CHILD_ENV = "MPISTAGE_CHILD"
 class Activation:
     """What activation changed, so that it can be classified and undone."""
 
-    def __init__(self, root, hook, meta, wrapped, before, environ):
+    def __init__(self, root, hook, meta, wrapped, before, environ, roots=None):
         self.root, self.hook, self.meta, self.wrapped = root, hook, meta, wrapped
-        self.before, self.environ = before, environ
+        self.before, self.environ, self.roots = before, environ, roots or {}
 
 
 def roots_of(staged):
@@ -51,13 +51,19 @@ def roots_of(staged):
             entry["path"],
             copy,
             entry.get("listing", []),
-            partial_dirs(manifest, index),
+            partial_listings(entry, partial_dirs(manifest, index)),
             owned.get(index, ()),
             bool(entry.get("stdlib")),
         )
         root.unbundled_dists = unbundled_dists(root.listing, copy)
         roots[root.path] = root
     return roots
+
+
+def partial_listings(entry, rels):
+    """Return ``{rel: recorded listing or None}`` of the directories held in part."""
+    recorded = entry.get("partial", {})
+    return {rel: recorded[rel]["listing"] if rel in recorded else None for rel in rels}
 
 
 def unbundled_dists(listing, copy):
@@ -77,7 +83,7 @@ def finders_of(roots):
         finders[path] = StagedFinder(root, path, root.staged, root.names)
         for rel in root.partial if root.staged else ():
             inside, original = _os.path.join(root.staged, rel), _os.path.join(path, rel)
-            partial[inside] = StagedFinder(root, original, inside, None)
+            partial[inside] = StagedFinder(root, original, inside, root.names_in(rel))
     return finders, partial
 
 
@@ -285,7 +291,8 @@ def activate(staged, children=True):
     if "pkgutil" in _sys.modules:
         register_pkgutil(_sys.modules["pkgutil"])
     environ = inherit(staged) if children else None
-    return Activation(staged.path, hook, meta, wrapped, set(_sys.modules), environ)
+    before = set(_sys.modules)
+    return Activation(staged.path, hook, meta, wrapped, before, environ, roots)
 
 
 def deactivate(activation):
@@ -304,7 +311,78 @@ def deactivate(activation):
             del _sys.path_importer_cache[path]
     if activation.environ is not None:
         restore(activation.environ)
+    repoint(activation.roots)
     importlib.invalidate_caches()
+
+
+def repoint(roots):
+    """Point what was loaded from the staged copy back at the originals.
+
+    The copy is removed when activation ends. A package whose ``__path__``
+    named it could import no submodule it had not imported yet, and a
+    ``__file__`` naming it would lead to a file that is gone: so every
+    module's ``__file__``, ``__cached__``, ``__path__``, spec and loader
+    path, and ``sys.path``, are mapped to the originals, and source served
+    under its original path is read from there.
+    """
+    copies = [(r.staged, r.path) for r in roots.values() if r.staged]
+    if not copies:
+        return
+
+    def original(path):
+        for copy, orig in copies:
+            if isinstance(path, str) and (path + _os.sep).startswith(copy + _os.sep):
+                return orig + path[len(copy) :]
+        return path
+
+    for module in list(_sys.modules.values()):
+        repoint_module(module, original)
+    _sys.path[:] = [original(p) for p in _sys.path]
+    for root in roots.values():
+        root.staged = None
+
+
+def namespace_of(module):
+    """Return a module's ``__dict__`` without running its code, or ``None``.
+
+    A lazily loaded module (``importlib.util.LazyLoader``) would load itself
+    on any attribute looked up the usual way.
+    """
+    from types import ModuleType
+
+    if not isinstance(module, ModuleType):
+        return None
+    return object.__getattribute__(module, "__dict__")
+
+
+def repoint_module(module, original):
+    """Map the paths of one module (see :func:`repoint`) with *original*."""
+    namespace = namespace_of(module)
+    if namespace is None:
+        return
+    for key in ("__file__", "__cached__"):
+        if isinstance(namespace.get(key), str):
+            namespace[key] = original(namespace[key])
+    spec = namespace.get("__spec__")
+    for paths in (
+        namespace.get("__path__"),
+        getattr(spec, "submodule_search_locations", None),
+    ):
+        paths = getattr(paths, "_path", paths)  # a namespace package's path
+        if isinstance(paths, list):
+            paths[:] = [original(p) for p in paths]
+    if spec is not None and isinstance(getattr(spec, "origin", None), str):
+        spec.origin = original(spec.origin)
+        if spec.cached:
+            spec.cached = original(spec.cached)
+    for loader in {
+        id(x): x for x in (namespace.get("__loader__"), getattr(spec, "loader", None))
+    }.values():
+        if isinstance(getattr(loader, "path", None), str):
+            try:
+                loader.path = original(loader.path)
+            except AttributeError:
+                pass  # a loader whose path cannot be set
 
 
 # -- child processes ---------------------------------------------------------------

@@ -123,8 +123,41 @@ def save(comm, recorder, path, args):
         command = ["python", "-m", "mpistage", "--auto", *args]
         extra = {"command": command, "processes": comm.size}
         try:
-            build(path, [usage], "package", "auto", extra)
+            with ProgramAside():
+                build(path, [usage], "package", "auto", extra)
         except OSError as exc:
             raise StageError(f"cannot save the --auto bundle {path!r}: {exc}") from None
 
     attempt(comm, write)
+
+
+class ProgramAside:
+    """While mpistage writes a learned bundle, the program's own modules step aside.
+
+    The program has run: a ``json.py`` or ``csv.py`` beside its script may
+    be in ``sys.modules`` under a standard library name, and its directory
+    is ``sys.path[0]``. Both are taken out for the while, and put back.
+    """
+
+    def __enter__(self):
+        here = _os.path.abspath(_sys.path[0] or ".")
+        self.path = _sys.path[:]
+        from mpistage.runtime.activate import namespace_of
+
+        self.modules = {
+            name: module
+            for name, module in list(_sys.modules.items())
+            if below((namespace_of(module) or {}).get("__file__"), here)
+        }
+        _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or ".") != here]
+        for name in self.modules:
+            del _sys.modules[name]
+
+    def __exit__(self, *exc):
+        _sys.path[:] = self.path
+        _sys.modules.update(self.modules)
+
+
+def below(path, folder):
+    """Whether *path* (a string, or not) lies in *folder* or below it."""
+    return isinstance(path, str) and path.startswith(folder + _os.sep)

@@ -11,6 +11,11 @@ they are, and it answers from the staged copy and the manifest's listing:
 - a name the original holds but the bundle lacks is found in the original
   (correct, slower, counted as a miss).
 
+"Holds" is decided as ``FileFinder`` decides it, from the listing of the
+directory (the root's, or for a directory the bundle holds in part, the one
+recorded in the manifest), so a module the bundle does not hold is found
+exactly where plain python finds it.
+
 Which ``__file__`` a served module gets: files that an installed
 distribution owns (site-packages) are served with their staged paths, so C
 extensions find their ``$ORIGIN`` libraries and data read relative to
@@ -31,13 +36,30 @@ from importlib.machinery import SourceFileLoader as _SourceFileLoader
 class Root:
     """What activation knows of one bundled root."""
 
-    def __init__(self, path, staged, listing, partial=(), owned=(), stdlib=False):
+    def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):
         from mpistage.runtime.roots import module_names
 
         self.path, self.staged, self.listing = path, staged, listing
         self.names = module_names(listing)
-        self.partial, self.owned = frozenset(partial), frozenset(owned)
+        self.partial, self.owned = dict(partial or {}), frozenset(owned)
         self.stdlib, self.unbundled_dists = stdlib, False
+
+    def names_in(self, rel):
+        """The names a lookup in directory *rel* of this root may find in the original.
+
+        Empty for a directory the bundle holds whole; for one it holds in
+        part, the names of the listing recorded when it was bundled (the
+        staleness check keeps that true); ``None`` (ask the original every
+        time) when no listing was recorded.
+        """
+        from mpistage.runtime.roots import module_names
+
+        if rel not in self.partial:
+            return frozenset()
+        found = self.partial[rel]
+        if isinstance(found, list):
+            found = self.partial[rel] = frozenset(module_names(found))
+        return found
 
     def transparent(self, rel):
         """Whether the source file *rel* keeps its original ``__file__``."""
@@ -95,7 +117,7 @@ class StagedFinder(_FileFinder):
         Packages imported before activation keep their original ``__path__``;
         their submodules are served from the staged copy all the same. A
         directory the bundle holds whole answers absent names itself; one it
-        holds in part falls back to the original.
+        holds in part falls back to the original for the names it left out.
         """
         if self.staged is None or not path.startswith(self.path + _os.sep):
             return None
@@ -103,8 +125,7 @@ class StagedFinder(_FileFinder):
         inside = _os.path.join(self.staged, rel)
         if not _os.path.isdir(inside):
             return None
-        names = None if rel in self.root.partial else frozenset()
-        return StagedFinder(self.root, path, inside, names)
+        return StagedFinder(self.root, path, inside, self.root.names_in(rel))
 
     def iter_modules(self, prefix=""):
         """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
@@ -202,11 +223,9 @@ class TransparentLoader(_SourceFileLoader):
     def staged_path(self, path):
         """Map a path below the original root to the staged copy."""
         head = self.root.path + _os.sep
-        return (
-            self.root.staged + path[len(self.root.path) :]
-            if path.startswith(head)
-            else path
-        )
+        if self.root.staged is None or not path.startswith(head):
+            return path  # activation has ended: the original is what there is
+        return self.root.staged + path[len(self.root.path) :]
 
     def get_data(self, path):
         """Read *path* from the staged copy."""

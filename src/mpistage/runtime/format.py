@@ -93,22 +93,27 @@ def sha256(data=b""):
 
     Rank 0 needs only SHA-256; ``_hashlib`` alone spares it ``hashlib`` and
     the modules it loads, some fifty operations on a shared file system.
+    Both are mpistage's own copies (:func:`mpistage.own_module`): the
+    program's ``sys.modules`` stays as plain python would have it.
     """
+    from mpistage import own_module
+
     try:
-        from _hashlib import openssl_sha256
+        return own_module("_hashlib").openssl_sha256(data)
     except ImportError:
-        from hashlib import sha256 as openssl_sha256
-    return openssl_sha256(data)
+        return own_module("hashlib").sha256(data)
 
 
 def load_manifest(raw, digest, name):
     """Decode the manifest bytes *raw* after checking them against *digest*."""
-    import json
+    from mpistage import lend, own_module
 
+    json = own_module("json")
     if sha256(raw).digest() != digest:
         raise StageError(f"bundle {name!r} is corrupt: manifest checksum mismatch")
     try:
-        manifest = json.loads(bytes(raw))
+        with lend("json"):
+            manifest = json.loads(bytes(raw))
     except ValueError as exc:
         raise StageError(f"bundle {name!r} is malformed: manifest: {exc}") from None
     except RecursionError:
@@ -216,9 +221,25 @@ def check_root(root, kind):
         expect(
             isinstance(dest, str) and (dest == "" or safe_rel(dest)), "has a bad dest"
         )
-    listing = root.get("listing", [])
+    check_listing(root.get("listing", []))
+    expect(whole_numbers(root.get("identity", [0])), "has a bad identity")
+    partial = root.get("partial", {})
+    expect(isinstance(partial, dict), "has a bad partial")
+    for rel, info in partial.items():
+        expect(safe_rel(rel) and isinstance(info, dict), f"has bad partial {rel!r}")
+        expect(isinstance(info.get("mtime_ns"), int), f"has bad partial {rel!r}")
+        check_listing(info.get("listing"))
+
+
+def check_listing(listing):
+    """Check a directory listing: a list of names."""
     expect(isinstance(listing, list), "has a bad listing")
     expect(all(isinstance(e, str) for e in listing), "has a bad listing entry")
+
+
+def whole_numbers(value):
+    """Whether *value* is a list of integers."""
+    return isinstance(value, list) and all(isinstance(v, int) for v in value)
 
 
 def base_of(root, index):
@@ -237,6 +258,7 @@ def check_member(member, roots, data_end):
     expect(kind in MEMBER_TYPES, f"has unknown type {kind!r}")
     for key in ("mode", "mtime_ns"):
         expect(isinstance(member.get(key), int), f"has no whole-number {key}")
+    expect(isinstance(member.get("ino", 0), int), "has a bad ino")
     if kind == "link":
         target = member.get("target")
         expect(

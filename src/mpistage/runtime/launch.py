@@ -271,7 +271,39 @@ def run_command_line(args):
         runpy.run_module(_sys.argv[0], run_name="__main__", alter_sys=True)
     else:
         _sys.path[0] = _os.path.realpath(_os.path.dirname(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+        run_script(args[0])
+
+
+def run_script(path):
+    """Run the script *path* as ``__main__``, as ``runpy.run_path`` does.
+
+    A source file is compiled and run here: ``run_path`` imports ``pkgutil``
+    (and with it ``typing`` and ``weakref``) first, which plain ``python
+    app.py`` does not, and the program must find in ``sys.modules`` what
+    plain python leaves there. Compiled files, directories and zip files
+    go to ``run_path``.
+    """
+    import runpy
+    from importlib.util import MAGIC_NUMBER
+
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError:
+        source = None
+    if source is None or source[:4] == MAGIC_NUMBER or is_zip(source):
+        runpy.run_path(path, run_name="__main__")
+        return
+    code = compile(source, path, "exec", dont_inherit=True)
+    runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=path)
+
+
+def is_zip(data):
+    """Whether *data* is a zip archive (``zipapp``'s, perhaps after a ``#!`` line).
+
+    Its end-of-directory record lies in the last 64 KiB and 22 bytes.
+    """
+    return b"PK\x05\x06" in data[-(1 << 16) - 22 :]
 
 
 def main(world, argv):

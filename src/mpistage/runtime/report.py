@@ -163,14 +163,15 @@ def emit(report, show):
 
 
 def write_json(path, data):
-    """Write *data* as JSON to *path* atomically."""
-    import json
-    import tempfile
+    """Write *data* as JSON to *path* atomically (with mpistage's own modules)."""
+    from mpistage import lend, own_module
+
+    json, tempfile = own_module("json"), own_module("tempfile")
 
     folder = _os.path.dirname(_os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".mpistage-report-")
     try:
-        with _os.fdopen(fd, "w") as f:
+        with _os.fdopen(fd, "w") as f, lend("json"):
             json.dump(data, f, indent=2)
         _os.replace(tmp, path)
     except BaseException:

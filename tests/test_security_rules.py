@@ -396,11 +396,19 @@ def slow_bundle(tmp_path_factory):
     return craft(folder / "slow.mpistage", members)
 
 
+def owner_text(root):
+    """The owner record of *root* so far ("" while it is not there)."""
+    try:
+        return (root / ".mpistage-owner").read_text()
+    except OSError:
+        return ""
+
+
 def wait_for_owner(stage_dir, count, timeout=QUICK):
     """Wait until *count* staging roots have their owner record; return them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in job_dirs(stage_dir) if (p / ".mpistage-owner").exists()]
+        found = [p for p in job_dirs(stage_dir) if "pid=" in owner_text(p)]
         if len(found) >= count:
             return found
         time.sleep(0.002)

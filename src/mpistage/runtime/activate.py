@@ -395,9 +395,12 @@ def write_plan(staged):
     a name no bundle member may have (``.mpistage*``), created new without
     following a link.
     """
-    import json
+    from mpistage import lend, own_module
 
-    data = json.dumps({"path": staged.path, "manifest": staged.manifest})
+    with lend("json"):
+        data = own_module("json").dumps(
+            {"path": staged.path, "manifest": staged.manifest}
+        )
     flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
     fd = _os.open(CHILD_PLAN, flags, 0o600, dir_fd=staged.root.fd)
     with open(fd, "w", encoding="utf-8") as f:
@@ -433,13 +436,12 @@ def restore(saved):
 
 def activate_child(plan):
     """In a child process: activate the copy the *plan* file describes."""
-    import json
-
+    from mpistage import lend, own_module
     from mpistage.runtime.stage import Staged
 
     fd = _os.open(plan, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC)
-    with open(fd, encoding="utf-8") as f:
-        found = json.load(f)
+    with open(fd, encoding="utf-8") as f, lend("json"):
+        found = own_module("json").load(f)
     activate(Staged(found["path"], found["manifest"], 0), children=False)
 
 

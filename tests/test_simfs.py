@@ -271,45 +271,6 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "not a simfs mount" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("0.5ms", 0.0005),
-        ("500us", 0.0005),
-        ("0.001s", 0.001),
-        ("0", 0.0),
-        ("2", 2.0),
-        ("1e-3", 0.001),
-        ("250 µs", 0.00025),
-    ],
-)
-def test_parse_latency(text, seconds):
-    assert simfs.parse_latency(text) == pytest.approx(seconds)
-
-
-@pytest.mark.parametrize(
-    ("text", "rate"),
-    [
-        ("100MB/s", 100e6),
-        ("1GiB/s", 2**30),
-        ("1.5kB/s", 1500),
-        ("4096", 4096),
-        ("2G", 2e9),
-        ("0", None),
-        ("none", None),
-        ("unlimited", None),
-    ],
-)
-def test_parse_bandwidth(text, rate):
-    assert simfs.parse_bandwidth(text) == rate
-
-
-@pytest.mark.parametrize("text", ["fast", "1 parsec", "ms", "-1ms", ""])
-def test_parse_errors(text):
-    with pytest.raises(ValueError, match="invalid latency"):
-        simfs.parse_latency(text)
-
-
 def test_fuse_available_reason_is_one_line():
     reason = simfs.fuse_available()
     assert reason is None or "\n" not in reason

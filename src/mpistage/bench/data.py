@@ -85,6 +85,8 @@ COLUMNS = (
     "node_pss_mib",
     "node_array_mib",
 )
+CELL = COLUMNS[:5]  # what names a cell
+FIGURES = COLUMNS[5:]  # what a cell measures
 
 
 def parser():
@@ -118,7 +120,7 @@ def parser():
     return p
 
 
-def cli(argv):
+def cli_data(argv):
     """Run ``mpistage bench data``; print the tables, write data.json."""
     args = parser().parse_args(argv)
     plan = Plan(args)
@@ -140,12 +142,12 @@ class Plan:
     """What to run, parsed and checked against this machine's memory."""
 
     def __init__(self, args):
-        from mpistage.bench.model import parse_size
+        from mpistage.bench.units import parse_counts, parse_size
 
-        self.size = int(parse_size(args.size))
-        self.big = int(parse_size(args.big)) if args.big else self.size
-        self.ranks = numbers(args.ranks, "--ranks")
-        self.readers = numbers(args.readers, "--readers")
+        self.size = int(parse_size(args.size, "--size"))
+        self.big = int(parse_size(args.big, "--big")) if args.big else self.size
+        self.ranks = parse_counts(args.ranks, "--ranks")
+        self.readers = parse_counts(args.readers, "--readers")
         self.io = [m for m in args.io.split(",") if m]
         self.nodes, self.repeat = args.nodes, max(1, args.repeat)
         self.check()
@@ -166,19 +168,6 @@ class Plan:
                 f"the largest cell holds {need} bytes at once, more than 80% of "
                 f"the {room} bytes of {what}: use a smaller --size or --big"
             )
-
-
-def numbers(text, flag):
-    """Parse ``1,4,16`` into positive whole numbers."""
-    from mpistage import StageError
-
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise StageError(f"{flag} {text!r} must be positive whole numbers, e.g. 1,4")
-    return values
 
 
 class Bench:
@@ -265,7 +254,9 @@ class Bench:
                 rows.append(self.run_cell(cell, nodes, size))
         if len({row["checksum"] for row in rows}) != 1:
             raise RuntimeError(f"cells saw different arrays: {rows!r}")
-        return medians(rows)
+        from mpistage.bench.rows import medians
+
+        return medians(rows, CELL, FIGURES)
 
     def run_cell(self, cell, nodes, size):
         """Launch one cell; return its measurements."""
@@ -308,17 +299,14 @@ class Bench:
 def mount(args, source, mountpoint):
     """Mount simfs over *source*; return the :class:`SimFS`."""
     from mpistage import StageError
-    from mpistage.bench.simfs import (
-        SimFS,
-        fuse_available,
-        parse_bandwidth,
-        parse_latency,
-    )
+    from mpistage.bench.simfs import SimFS, fuse_available
+    from mpistage.bench.units import parse_bandwidth, parse_time
 
     reason = fuse_available()
     if reason:
         raise StageError(f"{reason} (or use --local)")
-    latency, bandwidth = parse_latency(args.latency), parse_bandwidth(args.bandwidth)
+    latency = parse_time(args.latency, "--latency")
+    bandwidth = parse_bandwidth(args.bandwidth, "--bandwidth")
     return SimFS(source, mountpoint, latency=latency, bandwidth=bandwidth).mount()
 
 
@@ -388,23 +376,6 @@ def node_memory(ranks, nodes):
         pss[node] += r["after"]
         gained[node] += r["after"] - r["before"]
     return {"node_pss_mib": max(pss) / 1024, "node_array_mib": max(gained) / 1024}
-
-
-def medians(rows):
-    """Return one row per cell: the median of each measurement over repeats."""
-    import statistics
-
-    key = ("mode", "io", "readers", "ranks", "nodes")
-    groups = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in key), []).append(row)
-    merged = []
-    for group in groups.values():
-        row = dict(group[0])
-        for column in COLUMNS[5:]:
-            row[column] = statistics.median(r[column] for r in group)
-        merged.append(row)
-    return merged
 
 
 def table(rows, title):

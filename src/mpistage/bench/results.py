@@ -1,8 +1,8 @@
 """What ``mpistage bench run`` writes: CSV, JSON, a markdown table, a plot."""
 
 import os as _os
-import statistics as _statistics
 
+from mpistage.bench.rows import medians
 from mpistage.bench.run import COLUMNS, FIGURES
 
 KEY = ("workload", "layout", "via", "mode", "ranks", "nodes")
@@ -30,17 +30,9 @@ def write_csv(rows, path):
             writer.writerow({k: row[k] for k in COLUMNS})
 
 
-def medians(rows):
-    """Return one row per (workload, mode, ranks, nodes): medians of repeats."""
-    groups = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in KEY), []).append(row)
-    merged = []
-    for key, group in groups.items():
-        row = dict(zip(KEY, key, strict=True))
-        for col in FIGURES:
-            row[col] = _statistics.median(r[col] for r in group)
-        merged.append(row)
+def cell_medians(rows):
+    """Return one row per (workload, layout, via, mode, ranks, nodes), sorted."""
+    merged = medians(rows, KEY, FIGURES)
     return sorted(
         merged, key=lambda r: (r["workload"], r["layout"], r["ranks"], r["mode"])
     )
@@ -54,7 +46,7 @@ def table(rows):
         "| MB read |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in medians(rows):
+    for r in cell_medians(rows):
         layout = r["layout"] + (" (PYTHONPATH)" if r["via"] == "pythonpath" else "")
         lines.append(
             f"| {r['workload']} | {layout} | {r['ranks']} | {r['nodes']} "
@@ -75,7 +67,7 @@ def plot(rows, path, meta):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     series = {}
-    for r in medians(rows):
+    for r in cell_medians(rows):
         series.setdefault((r["workload"], r["mode"]), []).append(r)
     styles = ["-", "--", ":", "-."]
     workloads = sorted({w for w, _ in series})

@@ -70,11 +70,7 @@ from mpistage.bench.simfs.common import (
     RESET_FILE,
     STATS_FILE,
     SimFSError,
-    format_bandwidth,
-    format_latency,
     fuse_available,
-    parse_bandwidth,
-    parse_latency,
 )
 from mpistage.bench.simfs.mount import detached_log_path, mount_type, unmount_path
 
@@ -89,13 +85,9 @@ __all__ = [
     "cli_stats",
     "cli_unmount",
     "detached_log_path",
-    "format_bandwidth",
-    "format_latency",
     "fuse_available",
     "main",
     "mount_type",
-    "parse_bandwidth",
-    "parse_latency",
     "read_stats",
     "reset_stats",
     "unmount_path",

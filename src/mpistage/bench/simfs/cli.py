@@ -12,13 +12,15 @@ from mpistage.bench.simfs.common import (
     PROG,
     STATS_FILE,
     SimFSError,
-    format_bandwidth,
-    format_latency,
     fuse_available,
-    parse_bandwidth,
-    parse_latency,
 )
 from mpistage.bench.simfs.mount import detached_log_path, mount_type, unmount_path
+from mpistage.bench.units import (
+    format_bandwidth,
+    format_time,
+    parse_bandwidth,
+    parse_time,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _latency_arg(text):
     try:
-        return parse_latency(text)
+        return parse_time(text, "latency")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -98,7 +100,7 @@ def _describe(args):
     bandwidth = format_bandwidth(args.bandwidth)
     caches = "on" if args.cache else "off"
     return (
-        f"latency {format_latency(args.latency)}, bandwidth {bandwidth}, "
+        f"latency {format_time(args.latency)}, bandwidth {bandwidth}, "
         f"kernel caches {caches}"
     )
 

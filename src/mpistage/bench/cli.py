@@ -112,8 +112,8 @@ def cli_run(argv):
     """Run ``mpistage bench run``; print the table, write the files."""
     from mpistage import StageError
     from mpistage.bench import results
-    from mpistage.bench.run import run_workload
     from mpistage.bench.simfs import fuse_available
+    from mpistage.bench.sweep import run_workload
     from mpistage.bench.units import parse_counts, parse_time
 
     args = run_parser().parse_args(argv)

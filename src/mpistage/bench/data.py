@@ -28,6 +28,14 @@ import json as _json
 import os as _os
 import sys as _sys
 
+from mpistage.bench.testbed import Testbed, progress
+from mpistage.bench.units import MIB
+
+MEMORY_SHARE = 0.8  # of a node's memory the largest cell may hold
+CELL_TIMEOUT = 900  # seconds: a cell that takes longer is stuck
+NPY_CHUNK = 64 * MIB  # bytes make_npy writes at a time
+KIB_PER_MIB = 1024  # /proc counts Pss in KiB
+
 DRIVER = r"""
 import json, os, sys, time
 from mpi4py import MPI
@@ -124,12 +132,12 @@ def cli_data(argv):
     """Run ``mpistage bench data``; print the tables, write data.json."""
     args = parser().parse_args(argv)
     plan = Plan(args)
-    bench = Bench(args)
+    testbed = DataTestbed(args)
     try:
-        compared = bench.compare(plan)
-        readers = bench.readers(plan)
+        compared = testbed.compare(plan)
+        readers = testbed.readers(plan)
     finally:
-        bench.close()
+        testbed.close()
     write(argv, args, plan, compared, readers)
     print(table(compared, "plain numpy.load vs mpistage.data.load"))
     print()
@@ -163,27 +171,19 @@ class Plan:
             raise StageError(f"--nodes {self.nodes!r} must be 1 or more")
         room, what = _node_room()
         need = max(max(self.ranks) * self.size, self.nodes * self.big)
-        if room is not None and need > 0.8 * room:
+        if room is not None and need > MEMORY_SHARE * room:
             raise StageError(
-                f"the largest cell holds {need} bytes at once, more than 80% of "
+                f"the largest cell holds {need} bytes at once, more than "
+                f"{MEMORY_SHARE:.0%} of "
                 f"the {room} bytes of {what}: use a smaller --size or --big"
             )
 
 
-class Bench:
-    """The data files, the simfs mount and the launcher one run shares."""
+class DataTestbed(Testbed):
+    """The data files, a simfs mount per node, and the cells that load them."""
 
     def __init__(self, args):
-        import shutil
-        import tempfile
-
-        self.work = tempfile.mkdtemp(prefix="mpistage-bench-data-")
-        self.source = _os.path.join(self.work, "shared")
-        self.mount = _os.path.join(self.work, "mnt")
-        _os.makedirs(self.source)
-        _os.makedirs(self.mount)
-        mpiexec = _os.path.join(_os.path.dirname(_sys.executable), "mpiexec")
-        self.mpiexec = mpiexec if _os.path.exists(mpiexec) else shutil.which("mpiexec")
+        super().__init__("mpistage-bench-data-")
         self.result = _os.path.join(self.work, "result.json")
         self.nodes = args.nodes
         self.fs, self.files = [], {}
@@ -196,7 +196,7 @@ class Bench:
         """Return the path of a .npy of *size* bytes as each node sees it."""
         name = f"array-{size}.npy"
         if size not in self.files:
-            progress(f"writing {name} ({size / 2**20:.0f} MiB)")
+            progress(f"writing {name} ({size / MIB:.0f} MiB)")
             make_npy(_os.path.join(self.source, name), size)
             self.files[size] = name
         if not self.fs:
@@ -275,7 +275,7 @@ class Bench:
             env=env,
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=CELL_TIMEOUT,
         )
         if done.returncode:
             raise RuntimeError(f"cell {cell!r} failed:\n{done.stderr}")
@@ -289,11 +289,9 @@ class Bench:
 
     def close(self):
         """Unmount simfs and remove the files."""
-        import shutil
-
         for fs in self.fs:
             fs.unmount()
-        shutil.rmtree(self.work, ignore_errors=True)
+        super().close()
 
 
 def mount(args, source, mountpoint):
@@ -320,12 +318,13 @@ def drop_cache(path):
 
 
 def make_npy(path, size):
-    """Write a float64 .npy of about *size* bytes, 64 MiB at a time."""
+    """Write a float64 .npy of about *size* bytes, :data:`NPY_CHUNK` at a time."""
     import numpy
 
-    count = max(1, size // 8)
+    itemsize = numpy.dtype(numpy.float64).itemsize
+    count = max(1, size // itemsize)
     array = numpy.lib.format.open_memmap(path, "w+", numpy.float64, (count,))
-    step = 8 << 20
+    step = NPY_CHUNK // itemsize
     for start in range(0, count, step):
         stop = min(count, start + step)
         array[start:stop] = numpy.arange(start, stop, dtype=numpy.float64)
@@ -333,14 +332,14 @@ def make_npy(path, size):
     del array
 
 
-def measure(bench, cell, nodes, size):
+def measure(testbed, cell, nodes, size):
     """Turn one cell's driver output and simfs counters into a row."""
-    with open(bench.result) as f:
+    with open(testbed.result) as f:
         ranks = _json.load(f)
     sums = {r["total"] for r in ranks}
     if len(sums) != 1:
         raise RuntimeError(f"ranks saw different arrays: {sorted(sums)}")
-    stats = bench.stats()
+    stats = testbed.stats()
     cell = {k: v for k, v in cell.items() if k != "paths"}
     return dict(
         cell,
@@ -357,12 +356,13 @@ def measure(bench, cell, nodes, size):
 
 def fs_counts(stats, pids):
     """Return the shared FS's bytes, ops, metadata ops and client ranks."""
-    ops = stats.get("ops", {})
+    from mpistage.bench.simfs import meta_ops, read_ops
+
     per_pid = stats.get("per_pid", {})
     return {
         "fs_bytes": stats.get("bytes", 0),
-        "fs_ops": sum(ops.values()),
-        "fs_meta_ops": sum(ops.values()) - ops.get("read", 0),
+        "fs_ops": meta_ops(stats) + read_ops(stats),
+        "fs_meta_ops": meta_ops(stats),
         "fs_processes": sum(1 for pid in per_pid if int(pid) in pids),
     }
 
@@ -375,7 +375,10 @@ def node_memory(ranks, nodes):
         node = r["rank"] * nodes // size  # MPISTAGE_EMULATE_NODES: contiguous blocks
         pss[node] += r["after"]
         gained[node] += r["after"] - r["before"]
-    return {"node_pss_mib": max(pss) / 1024, "node_array_mib": max(gained) / 1024}
+    return {
+        "node_pss_mib": max(pss) / KIB_PER_MIB,
+        "node_array_mib": max(gained) / KIB_PER_MIB,
+    }
 
 
 def table(rows, title):
@@ -418,8 +421,3 @@ def write(argv, args, plan, compared, readers):
     }
     with open(_os.path.join(args.out, "data.json"), "w") as f:
         _json.dump({"meta": meta, "compare": compared, "readers": readers}, f, indent=1)
-
-
-def progress(line):
-    """Print one progress line to stderr."""
-    print(line, file=_sys.stderr, flush=True)

@@ -3,7 +3,7 @@
 import os as _os
 
 from mpistage.bench.rows import medians
-from mpistage.bench.run import COLUMNS, FIGURES
+from mpistage.bench.sweep import COLUMNS, FIGURES
 
 KEY = ("workload", "layout", "via", "mode", "ranks", "nodes")
 

@@ -63,21 +63,12 @@ counters), :mod:`.mount` (what is mounted where, unmounting),
 """
 
 from mpistage.bench.simfs.cli import cli_simfs, cli_stats, cli_unmount, main
-from mpistage.bench.simfs.client import SimFS, read_stats, reset_stats
-from mpistage.bench.simfs.common import (
-    DEFAULT_LATENCY,
-    FS_TYPE,
-    RESET_FILE,
-    STATS_FILE,
-    SimFSError,
-    fuse_available,
-)
+from mpistage.bench.simfs.client import SimFS, meta_ops, read_ops, read_stats
+from mpistage.bench.simfs.common import FS_TYPE, STATS_FILE, SimFSError, fuse_available
 from mpistage.bench.simfs.mount import detached_log_path, mount_type, unmount_path
 
 __all__ = [
-    "DEFAULT_LATENCY",
     "FS_TYPE",
-    "RESET_FILE",
     "STATS_FILE",
     "SimFS",
     "SimFSError",
@@ -87,8 +78,9 @@ __all__ = [
     "detached_log_path",
     "fuse_available",
     "main",
+    "meta_ops",
     "mount_type",
+    "read_ops",
     "read_stats",
-    "reset_stats",
     "unmount_path",
 ]

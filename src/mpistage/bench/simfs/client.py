@@ -35,6 +35,17 @@ def reset_stats(mountpoint):
         pass
 
 
+def meta_ops(counts):
+    """Return the metadata operations (all but data reads) in *counts*."""
+    ops = counts.get("ops", {})
+    return sum(ops.values()) - ops.get("read", 0)
+
+
+def read_ops(counts):
+    """Return the data reads in *counts*."""
+    return counts.get("ops", {}).get("read", 0)
+
+
 class SimFS:
     """A simfs mount served by a separate process.
 

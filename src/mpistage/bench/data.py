@@ -29,7 +29,7 @@ import os as _os
 import sys as _sys
 
 from mpistage.bench.testbed import Testbed, progress
-from mpistage.bench.units import MIB
+from mpistage.bench.units import MB, MIB
 
 MEMORY_SHARE = 0.8  # of a node's memory the largest cell may hold
 CELL_TIMEOUT = 900  # seconds: a cell that takes longer is stuck
@@ -400,7 +400,7 @@ def table(rows, title):
         lines.append(
             f"| {r['mode']} | {r['io']} | {r['readers']} | {r['ranks']} "
             f"| {r['nodes']} | {r['seconds']:.2f} {steps}"
-            f"| {r['fs_bytes'] / 1e6:.0f} "
+            f"| {r['fs_bytes'] / MB:.0f} "
             f"| {r['fs_ops']:.0f} ({r['fs_meta_ops']:.0f}) | {r['fs_processes']:.0f} "
             f"| {r['node_pss_mib']:.0f} | {r['node_array_mib']:.0f} |"
         )

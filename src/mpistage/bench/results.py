@@ -4,8 +4,10 @@ import os as _os
 
 from mpistage.bench.rows import medians
 from mpistage.bench.sweep import COLUMNS, FIGURES
+from mpistage.bench.units import MB
 
 KEY = ("workload", "layout", "via", "mode", "ranks", "nodes")
+DPI = 110
 
 
 def write_all(rows, out, meta):
@@ -53,7 +55,7 @@ def table(rows):
             f"| {r['mode']} | {r['total_s']:.2f} | {r['stage_s']:.2f} "
             f"| {r['ops_rank0']:.0f} "
             f"| {r['ops_rank_median']:.0f} / {r['ops_rank_max']:.0f} "
-            f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / 1e6:.1f} |"
+            f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / MB:.1f} |"
         )
     return "\n".join(lines)
 
@@ -92,7 +94,7 @@ def plot(rows, path, meta):
     )
     left.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 

@@ -118,14 +118,14 @@ def measure(testbed, start, stats, extra, nodes):
     """Turn one cell's driver result and shared-FS stats into a row."""
     with open(testbed.result_path) as f:
         result = _json.load(f)
-    ranks = sorted(result["ranks"])
+    ranks = sorted(result["ranks"])  # (rank, pid, t_ready, t_done), as DRIVER sends
     ops = per_rank_ops(stats, ranks)
     others = ops[1:] or ops
     stage = stats.get("stage", {})
     return {
         "total_s": result["t_all"] - start,
-        "start_s": max(r[2] for r in ranks) - start,
-        "import_s": max(r[3] - r[2] for r in ranks),
+        "start_s": max(ready for _, _, ready, _ in ranks) - start,
+        "import_s": max(done - ready for _, _, ready, done in ranks),
         "stage_s": extra.get("stage_s", 0.0),
         "meta_ops": meta_ops(stats) + meta_ops(stage),
         "ops_rank0": ops[0],

@@ -20,7 +20,8 @@ for _power, _prefix in enumerate("kmgt", start=1):
     SIZE_UNITS.update({_prefix: 1000**_power, _prefix + "b": 1000**_power})
     SIZE_UNITS.update({_prefix + "i": 1024**_power, _prefix + "ib": 1024**_power})
 UNLIMITED = ("none", "unlimited", "inf")
-MB, MIB, US = SIZE_UNITS["mb"], SIZE_UNITS["mib"], TIME_UNITS["us"]  # for tables
+MB, GB, MIB = SIZE_UNITS["mb"], SIZE_UNITS["gb"], SIZE_UNITS["mib"]
+US = TIME_UNITS["us"]
 
 
 class UnitError(StageError, ValueError):

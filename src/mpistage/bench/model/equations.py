@@ -8,6 +8,8 @@ them up. docs/scale.md writes the same equations in symbols.
 import dataclasses as _dataclasses
 import math as _math
 
+from mpistage.bench.units import MIB
+
 STEPS = ("metadata", "read", "broadcast", "write", "run")
 MODES = ("plain", "mpistage", "mpistage-trust", "staged-env")
 INF = float("inf")
@@ -26,7 +28,7 @@ class Machine:
     net_latency: float = 5e-6
     net_bw: float = 5e9
     bcast: str = "pipeline"  # or "binomial"
-    chunk: float = 4 * 2**20
+    chunk: float = 4 * MIB
     local_bw: float = 1e9  # a leader checksums and writes its copy, bytes/s
     cores: float | None = None  # cores all ranks share (one machine); None: 1 each
 

@@ -1,7 +1,7 @@
 """The tables ``mpistage bench model`` prints, and how they write numbers."""
 
 from mpistage.bench.model.equations import INF, STEPS, nodes_for, predict
-from mpistage.bench.units import MB, MIB, US
+from mpistage.bench.units import GB, MB, MIB, US
 
 
 def fmt_s(seconds):
@@ -17,7 +17,7 @@ def fmt_s(seconds):
 
 def rate(bw):
     """Format a bandwidth in GB/s ("unlimited" for none)."""
-    return "unlimited" if bw == INF else f"{bw / 1e9:g} GB/s"
+    return "unlimited" if bw == INF else f"{bw / GB:g} GB/s"
 
 
 def describe(machine, per_node=True):

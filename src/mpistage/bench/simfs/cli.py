@@ -9,6 +9,7 @@ from mpistage.bench.simfs.client import SimFS, read_stats, reset_stats
 from mpistage.bench.simfs.common import (
     DEFAULT_LATENCY,
     FS_TYPE,
+    MOUNT_TIMEOUT,
     PROG,
     STATS_FILE,
     SimFSError,
@@ -90,8 +91,8 @@ def _simfs_parser():
     parser.add_argument(
         "--timeout",
         type=float,
-        default=10.0,
-        help="seconds to wait for the mount (default: 10)",
+        default=MOUNT_TIMEOUT,
+        help=f"seconds to wait for the mount (default: {MOUNT_TIMEOUT:g})",
     )
     return parser
 

@@ -12,6 +12,7 @@ DEFAULT_LATENCY = 0.0005
 CACHE_TIMEOUT = 60.0
 FS_TYPE = "fuse.simfs"
 MAX_THREADS = 64
+MOUNT_TIMEOUT = 10.0  # seconds a mount may take to come up
 
 
 class SimFSError(StageError):

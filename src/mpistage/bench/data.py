@@ -131,7 +131,7 @@ def parser():
 def cli_data(argv):
     """Run ``mpistage bench data``; print the tables, write data.json."""
     args = parser().parse_args(argv)
-    plan = Plan(args)
+    plan = DataPlan(args)
     testbed = DataTestbed(args)
     try:
         compared = testbed.compare(plan)
@@ -146,7 +146,7 @@ def cli_data(argv):
     return 0
 
 
-class Plan:
+class DataPlan:
     """What to run, parsed and checked against this machine's memory."""
 
     def __init__(self, args):

@@ -128,7 +128,7 @@ class Plain(Mode):
     name = "plain"
 
 
-class Staged(Mode):
+class Bundled(Mode):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
@@ -160,7 +160,7 @@ class Staged(Mode):
         return report_seconds(testbed.report_path)
 
 
-class StagedTrust(Staged):
+class BundledTrust(Bundled):
     """The runner with ``--trust``: no staleness check by rank 0."""
 
     name = "mpistage-trust"
@@ -170,7 +170,7 @@ class StagedTrust(Staged):
         return super().runner(testbed) + ["--trust"]
 
 
-class Auto(Staged):
+class Auto(Bundled):
     """``--auto``, second run: the cache was filled by an untimed first run."""
 
     name = "auto"
@@ -350,14 +350,14 @@ class StagedSmallEnv(StagedEnv):
 
 MODES = {
     "realistic": {
-        m.name: m for m in (Floor, Plain, Staged, StagedTrust, StagedEnv, Local)
+        m.name: m for m in (Floor, Plain, Bundled, BundledTrust, StagedEnv, Local)
     },
     "packages": {
         m.name: m
         for m in (
             Plain,
-            Staged,
-            StagedTrust,
+            Bundled,
+            BundledTrust,
             Auto,
             LocalPackages,
             PlainEnv,

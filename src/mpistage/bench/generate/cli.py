@@ -11,7 +11,7 @@ from mpistage.bench.generate.tree import generate
 _PROG = "mpistage"
 
 
-class _Parser(argparse.ArgumentParser):
+class _GenerateParser(argparse.ArgumentParser):
     """An argument parser whose errors become :class:`GenerateError`."""
 
     def error(self, message):
@@ -19,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser():
-    parser = _Parser(
+    parser = _GenerateParser(
         prog="mpistage bench generate",
         description="Generate a Pynamic-like workload into DIR (a sys.path root).",
     )

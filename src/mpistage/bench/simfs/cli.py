@@ -24,7 +24,7 @@ from mpistage.bench.units import (
 )
 
 
-class _Parser(argparse.ArgumentParser):
+class _SimFSParser(argparse.ArgumentParser):
     """An argument parser whose errors become :class:`SimFSError`."""
 
     def error(self, message):
@@ -59,7 +59,7 @@ def _run(parser, argv, action):
 
 
 def _simfs_parser():
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench simfs",
         description="Mount a read-only mirror of SRC at MOUNTPOINT "
         "that serves metadata operations one at a time.",
@@ -162,7 +162,7 @@ def _unmount_action(args):
 
 def cli_unmount(argv):
     """``mpistage bench unmount MOUNTPOINT``: unmount a simfs; exit status."""
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench unmount",
         description="Unmount a simfs mount (its server then exits).",
     )
@@ -185,7 +185,7 @@ def _stats_action(args):
 
 def cli_stats(argv):
     """``mpistage bench stats [--reset] MOUNTPOINT``: print the counters as JSON."""
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench stats",
         description="Print the operation counters of a simfs mount.",
     )

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mpistage.bench import simfs
-from mpistage.bench.run import COLUMNS
+from mpistage.bench.sweep import COLUMNS
 from stagetools import clean_environ, run
 
 FUSE_REASON = simfs.fuse_available()

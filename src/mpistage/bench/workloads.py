@@ -6,6 +6,8 @@ the simulated shared file system mirrors, and gives the code every rank runs.
 import os as _os
 import shutil as _shutil
 
+from mpistage.bench.generate.spec import NAME
+
 
 class Workload:
     """What to put on the shared file system and what each rank imports."""
@@ -41,7 +43,7 @@ class Generated(Workload):
     """The Pynamic-like package from ``mpistage bench generate``."""
 
     name = "generated"
-    package = "pynamic_ws"
+    package = NAME
 
     def __init__(self, **sizes):
         self.sizes = sizes

@@ -54,7 +54,10 @@ def barrier():  # sleeps: waiting ranks leave the cores to the working ones
         time.sleep(0.0005)
 
 node = comm.rank * cfg["nodes"] // comm.size  # as MPISTAGE_EMULATE_NODES splits
-path = cfg["paths"][node]
+# Every rank names the file alike (mpistage.data checks that the ranks agree):
+# relative to its node's view, a local link into the node's own mount.
+os.chdir(os.path.dirname(cfg["paths"][node]))
+path = os.path.basename(cfg["paths"][node])
 if cfg["mode"] == "mpistage":
     from mpistage import data
 before = pss_kib()
@@ -64,7 +67,7 @@ if cfg["mode"] == "plain":
     array, steps = np.load(path), {}
 else:
     shared = data.load(path, comm=comm, readers=cfg["readers"], io=cfg["io"])
-    array, steps = shared.array, shared.seconds
+    array, steps = shared, shared.seconds
 seconds = time.perf_counter() - start
 total = float(array.sum(dtype=np.float64))  # reads every page of the copy
 barrier()
@@ -201,7 +204,21 @@ class DataTestbed(Testbed):
             self.files[size] = name
         if not self.fs:
             return [_os.path.join(self.source, name)] * self.nodes
-        return [_os.path.join(fs.mountpoint, name) for fs in self.fs]
+        return [self.view(node, fs.mountpoint, name) for node, fs in enumerate(self.fs)]
+
+    def view(self, node, mountpoint, name):
+        """Return a local link to *name* through *node*'s own mount.
+
+        Every rank then names the file alike (``name``, relative to its
+        node's view, a local directory): changing into it costs the shared
+        FS nothing, and only the readers open the file through the link.
+        """
+        folder = _os.path.join(self.work, f"view{node}")
+        _os.makedirs(folder, exist_ok=True)
+        link = _os.path.join(folder, name)
+        if not _os.path.islink(link):
+            _os.symlink(_os.path.join(mountpoint, name), link)
+        return link
 
     def reset(self):
         """Empty the nodes' client caches, then zero the counters of every mount.

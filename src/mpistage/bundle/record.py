@@ -64,7 +64,7 @@ class Recorder:
 
     def usage(self):
         """Stop recording; return what was used, as JSON-ready data."""
-        from mpistage.runtime.format import python_tag
+        from mpistage.runtime.bundlefile import python_tag
 
         self.active = False
         paths = self.paths | module_files(self.preloaded) | mapped_files()

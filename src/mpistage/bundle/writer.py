@@ -23,10 +23,10 @@ own temporaries) are left out, so ``pack --path .`` with the output in
 import os as _os
 
 from mpistage import StageError
-from mpistage.runtime import format as _format
+from mpistage.runtime import bundlefile
 
 COPY_SIZE = 1 << 20
-BUNDLES = ("*" + _format.SUFFIX, "*.mpistage-*.tmp")
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp")
 
 
 class Selection:
@@ -94,14 +94,14 @@ def write(output, selection, fields):
     from mpistage import __version__
     from mpistage.runtime.roots import partial_dirs
 
-    if not output.endswith(_format.SUFFIX):
-        raise StageError(f"bundle name {output!r} must end in {_format.SUFFIX!r}")
+    if not output.endswith(bundlefile.SUFFIX):
+        raise StageError(f"bundle name {output!r} must end in {bundlefile.SUFFIX!r}")
     roots = [root_entry(selection, p) for p in selection.paths]
     manifest = {
         "kind": "packages",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "mpistage": __version__,
-        "python": _format.python_tag(),
+        "python": bundlefile.python_tag(),
         **fields,
         "roots": roots,
     }
@@ -228,7 +228,7 @@ class Writer:
         except OSError as exc:
             raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
         self.file = _os.fdopen(fd, "wb")
-        self.file.write(bytes(_format.HEADER_SIZE))
+        self.file.write(bytes(bundlefile.HEADER_SIZE))
         self.members = []
 
     def __enter__(self):
@@ -267,7 +267,7 @@ class Writer:
 
     def copy(self, path, data=None):
         """Append a file's content (or *data*); return offset, size, digest."""
-        offset, digest, size = self.file.tell(), _format.sha256(), 0
+        offset, digest, size = self.file.tell(), bundlefile.sha256(), 0
         chunks = [data] if data is not None else file_chunks(path)
         for chunk in chunks:
             digest.update(chunk)
@@ -279,14 +279,14 @@ class Writer:
         """Append *manifest* (plus the members), fill the header, rename."""
         import json
 
-        manifest = dict(manifest, format=_format.FORMAT, members=self.members)
+        manifest = dict(manifest, format=bundlefile.FORMAT, members=self.members)
         raw = json.dumps(manifest, separators=(",", ":")).encode()
         offset = self.file.tell()
         self.file.write(raw)
         self.file.seek(0)
-        digest = _format.sha256(raw).digest()
-        header = _format.HEADER.pack(
-            _format.MAGIC, _format.FORMAT, 0, offset, len(raw), digest
+        digest = bundlefile.sha256(raw).digest()
+        header = bundlefile.HEADER.pack(
+            bundlefile.MAGIC, bundlefile.FORMAT, 0, offset, len(raw), digest
         )
         self.file.write(header)
         self.file.flush()

@@ -43,7 +43,7 @@ def target_path0(args):
 
 def key(args):
     """Return the cache key of running *args* with this Python and sys.path."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     target = args[1] if args[0] in ("-c", "-m") else _os.path.abspath(args[0])
     path = [target_path0(args)] + [_os.path.abspath(p or ".") for p in _sys.path[1:]]
@@ -53,7 +53,7 @@ def key(args):
 
 def bundle_path(args, folder=None):
     """Return the cached bundle's path for *args*."""
-    from mpistage.runtime.format import SUFFIX
+    from mpistage.runtime.bundlefile import SUFFIX
 
     if args[0] == "-m":
         stem = args[1]

@@ -66,7 +66,7 @@ def read_all(fd, size, path):
 
 def read_checked(path, kind="packages"):
     """Read the bundle at *path*; return (bytes, manifest) once all checks pass."""
-    from mpistage.runtime.format import manifest_of, python_mismatch
+    from mpistage.runtime.bundlefile import manifest_of, python_mismatch
 
     buf = read_bundle(path)
     manifest = manifest_of(buf, path)
@@ -97,7 +97,7 @@ def check_kind(manifest, kind, path):
 
 def verify(buf, manifest, path):
     """Check every file member's SHA-256 against the manifest."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     view = memoryview(buf)
     for member in manifest["members"]:

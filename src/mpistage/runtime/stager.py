@@ -56,7 +56,7 @@ def parse(argv):
 
 def manifest_digest(buf):
     """Return the bundle's identity: its manifest's SHA-256 from the header."""
-    from mpistage.runtime.format import HEADER
+    from mpistage.runtime.bundlefile import HEADER
 
     return HEADER.unpack_from(buf)[-1].hex()
 

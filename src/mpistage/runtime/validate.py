@@ -243,7 +243,7 @@ class PathFds:
 
 def digest(fd, rel):
     """Return the SHA-256 of the file *rel* below the directory *fd*."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     sha = sha256()
     flags = _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NONBLOCK  # a FIFO must not hang

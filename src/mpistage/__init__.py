@@ -99,21 +99,21 @@ def load_runtime(comm):
         _STDLIB_CODES.update(_read_package(folder, *RANK0_STDLIB))
 
 
-def preload(comm, package):
+def preload(comm, package, only=None):
     """Make the modules of *package* (mpistage's own) importable by broadcast.
 
-    Collective: rank 0 reads them and sends their code; the other ranks
-    import them from memory. Returns ``False`` if *package* was preloaded
-    already (nothing done).
+    Collective: rank 0 reads them (*only* these module stems, if given) and
+    sends their code; the other ranks import them from memory. Returns
+    ``False`` if they were preloaded already (nothing done).
     """
     import os
 
-    if package in _PRELOADED:
+    if (package, only) in _PRELOADED:
         return False
     codes, folder = {}, os.path.join(__path__[0], *package.split(".")[1:])
     if comm.rank == 0:
         try:
-            codes = _read_package(folder, package)
+            codes = _read_package(folder, package, only)
         except (OSError, SyntaxError, ValueError) as exc:
             codes = f"cannot read {package}: {exc}"  # told to every rank
     codes = comm.bcast(codes, root=0)
@@ -122,7 +122,7 @@ def preload(comm, package):
     if package in _sys.modules:
         codes.pop(package, None)  # imported already (mpistage.data itself)
     _sys.meta_path.insert(0, _Preloaded(codes))
-    _PRELOADED.add(package)
+    _PRELOADED.add((package, only))
     return True
 
 

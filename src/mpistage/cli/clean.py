@@ -87,7 +87,7 @@ def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
     from mpistage.runtime.place import target_dir
     from mpistage.runtime.removal import remove
-    from mpistage.runtime.stager import read_marker
+    from mpistage.stager import read_marker
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):
         raise StageError(f"{folder!r} is not a directory")

@@ -34,8 +34,8 @@ class Activation:
 
 
 def roots_of(staged):
-    """Return ``{original path: Root}`` for every root of a staged bundle."""
-    from mpistage.runtime.finders import Root
+    """Return ``{original path: BundledRoot}`` for every root of a staged bundle."""
+    from mpistage.runtime.finders import BundledRoot
     from mpistage.runtime.roots import destinations, partial_dirs
 
     manifest, roots = staged.manifest, {}
@@ -47,7 +47,7 @@ def roots_of(staged):
     for index, dest in enumerate(destinations(manifest)):
         entry = manifest["roots"][index]
         copy = _os.path.join(staged.path, dest) if index in held else None
-        root = Root(
+        root = BundledRoot(
             entry["path"],
             copy,
             entry.get("listing", []),

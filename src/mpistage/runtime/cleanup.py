@@ -126,3 +126,47 @@ def on_signal(signum, frame):
     release_all()
     _signal.signal(signum, _signal.SIG_DFL)
     _os.kill(_os.getpid(), signum)
+
+
+# -- the program calls MPI.Finalize() itself -------------------------------------
+
+
+def at_finalize(func, comm):
+    """Run *func* inside ``MPI_Finalize`` if the program calls it first.
+
+    MPI runs the delete callbacks of ``COMM_SELF``'s attributes at the start
+    of ``MPI_Finalize``, while it can still communicate, so the end of a job
+    (a report, a learned bundle, the copy's removal) can still be collective
+    there. A failure in *func* is printed on rank 0 of *comm* and aborts the
+    job: a callback must not raise. Returns a function that cancels the
+    watch, for when the job ends by itself.
+    """
+    from mpi4py import MPI
+
+    state = {"done": False}
+
+    def on_finalize(self_comm, keyval, value):
+        if state["done"]:
+            return MPI.SUCCESS
+        state["done"] = True
+        try:
+            func()
+        except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
+            from mpistage.runtime.collective import describe
+
+            if comm.rank == 0:
+                import sys
+
+                print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
+            comm.Abort(1)
+        return MPI.SUCCESS
+
+    keyval = MPI.COMM_SELF.Create_keyval(delete_fn=on_finalize)
+    MPI.COMM_SELF.Set_attr(keyval, None)
+
+    def cancel():
+        if not state["done"] and not MPI.Is_finalized():
+            state["done"] = True
+            MPI.COMM_SELF.Delete_attr(keyval)
+
+    return cancel

@@ -33,7 +33,7 @@ from importlib.machinery import FileFinder as _FileFinder
 from importlib.machinery import SourceFileLoader as _SourceFileLoader
 
 
-class Root:
+class BundledRoot:
     """What activation knows of one bundled root."""
 
     def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):

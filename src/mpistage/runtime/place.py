@@ -55,7 +55,7 @@ def candidates():
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
 
 
-class Root:
+class StagingDir:
     """A staging directory: its resolved path, and descriptors of it and its parent.
 
     *holder* is ``(descriptor, name)`` of a private per-user directory made
@@ -214,7 +214,7 @@ def make_root(job, node, footprint, skip=()):
     """Create this node's staging root in the first usable candidate.
 
     Candidates in *skip* (resolved paths) are passed over. Returns a
-    :class:`Root`, without its owner record (:func:`write_owner`). Raises
+    :class:`StagingDir`, without its owner record (:func:`write_owner`). Raises
     :class:`StageError` naming every candidate and why it was refused when
     none can be used.
     """
@@ -235,7 +235,7 @@ def refusal(candidate, exc):
 
 
 def root_in(candidate, job, node, footprint, skip):
-    """Make the job's root below *candidate*; return its :class:`Root`."""
+    """Make the job's root below *candidate*; return its :class:`StagingDir`."""
     real, fd = open_safe(candidate)
     try:
         if real in skip:
@@ -253,9 +253,9 @@ def root_in(candidate, job, node, footprint, skip):
         _os.mkdir(name, 0o700, dir_fd=user_fd)
         root_fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
     except BaseException:
-        Root(None, None, user_fd, holder).close()
+        StagingDir(None, None, user_fd, holder).close()
         raise
-    return Root(f"{real}/{user}/{name}", root_fd, user_fd, holder)
+    return StagingDir(f"{real}/{user}/{name}", root_fd, user_fd, holder)
 
 
 def user_dir(fd, real):
@@ -413,7 +413,7 @@ def target_dir(path):
     except BaseException:
         _os.close(parent_fd)
         raise
-    return Root(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+    return StagingDir(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
 
 
 def job_tag():

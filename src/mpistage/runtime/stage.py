@@ -19,7 +19,7 @@ class Staged:
 
     def __init__(self, path, manifest, nbytes, root=None):
         self.path, self.manifest, self.nbytes = path, manifest, nbytes
-        self.root = root  # the place.Root, on the node's leader only
+        self.root = root  # the place.StagingDir, on the node's leader only
 
 
 class JobPlace:

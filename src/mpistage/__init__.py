@@ -198,9 +198,9 @@ def _import_aside(name):
 def _read_package(folder, package, only=None):
     """Return ``{name: (origin, is package, marshalled code)}`` of *folder*'s modules.
 
-    *only* names the module stems to read (default: every ``.py`` file).
-    Each file is reached relative to descriptors of *folder* and its
-    ``__pycache__``: about six metadata operations a module.
+    *only* names the module stems to read (default: every ``.py`` file, from
+    one listing). Each file is reached relative to descriptors of *folder*
+    and its ``__pycache__``: about six metadata operations a module.
     """
     import os
 
@@ -208,14 +208,14 @@ def _read_package(folder, package, only=None):
     try:
         cache = _open_cache(fd)
         codes = {}
-        for entry in sorted(os.listdir(fd)):
+        names = [f"{stem}.py" for stem in only] if only else sorted(os.listdir(fd))
+        for entry in names:
             stem, dot, suffix = entry.partition(".")
             if dot and suffix == "py" and stem.isidentifier():
-                if only is None or stem in only:
-                    name = package if stem == "__init__" else f"{package}.{stem}"
-                    origin = os.path.join(folder, entry)
-                    code = _code(fd, cache, entry, origin)
-                    codes[name] = (origin, stem == "__init__", code)
+                name = package if stem == "__init__" else f"{package}.{stem}"
+                origin = os.path.join(folder, entry)
+                code = _code(fd, cache, entry, origin)
+                codes[name] = (origin, stem == "__init__", code)
         return codes
     finally:
         os.close(fd)

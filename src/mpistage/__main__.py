@@ -14,14 +14,13 @@ import os as _os
 import sys as _sys
 
 TOOLS = ("pack", "record", "inspect", "clean", "run", "bench")
-ENTRY_POINTS = ("runner", "stager")  # they run in every rank: sent by rank 0
 
 
 def main(argv=None):
     """Dispatch *argv* (default ``sys.argv[1:]``): a tool, the stager or the runner."""
     argv = list(_sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"], ["--version"]):
-        from mpistage.runner import parse
+        from mpistage.runtime.runner import parse
 
         parse(argv)  # prints and exits, without starting MPI
     if argv and argv[0] in TOOLS:
@@ -36,11 +35,11 @@ def main(argv=None):
     world = boot()
     try:
         if stager:
-            from mpistage.stager import main as entry
+            from mpistage.runtime.stager import main as entry
 
             argv = argv[1:]
         else:
-            from mpistage.runner import main as entry
+            from mpistage.runtime.runner import main as entry
         status = entry(world, argv)
     except (SystemExit, KeyboardInterrupt):
         raise
@@ -67,10 +66,9 @@ def boot():
     try:
         from mpi4py import MPI
 
-        from mpistage import load_runtime, preload
+        from mpistage import load_runtime
 
         load_runtime(MPI.COMM_WORLD)
-        preload(MPI.COMM_WORLD, "mpistage", ENTRY_POINTS)
     finally:
         _sys.path[:] = saved
     return MPI.COMM_WORLD

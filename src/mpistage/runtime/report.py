@@ -33,21 +33,51 @@ class Watch:
 
     def hook(self, event, args):
         """Audit hook: count opens for reading and listings below an original."""
-        if not self.active or event not in ("open", "os.listdir", "os.scandir"):
+        if not self.active:
             return
-        path = args[0] if args else None
-        if isinstance(path, bytes):
-            path = _os.fsdecode(path)
-        if not isinstance(path, str) or not path.startswith(self.prefixes):
-            return
-        if event == "open" and isinstance(args[1], str) and set(args[1]) & set("wax+"):
-            return
-        self.counts[kind_of(event, path)] += 1
+        kind, path = read_of(event, args)
+        if kind in ("open", "listing") and path.startswith(self.prefixes):
+            self.counts[kind_of(kind, path)] += 1
 
     def stop(self):
         """Stop counting; return the counts."""
         self.active = False
         return self.counts
+
+
+def read_of(event, args):
+    """Return (kind, path) of an audit event that reads a path, else (None, None).
+
+    The kinds: ``open`` (a file opened for reading, whatever the mode's
+    spelling: ``"r"``, or ``os.open`` flags without write access),
+    ``listing`` (``os.listdir``, ``os.scandir``) and ``dlopen`` (a library
+    ``ctypes`` loads by path). The one filter of the report and the recorder.
+    """
+    kind = READ_EVENTS.get(event)
+    path = args[0] if kind and args else None
+    if isinstance(path, bytes):
+        path = _os.fsdecode(path)
+    if not isinstance(path, str) or (kind == "dlopen" and _os.sep not in path):
+        return None, None
+    if kind == "open" and writes(args):
+        return None, None
+    return kind, path
+
+
+READ_EVENTS = {
+    "open": "open",
+    "os.listdir": "listing",
+    "os.scandir": "listing",
+    "ctypes.dlopen": "dlopen",
+}
+
+
+def writes(args):
+    """Whether an ``open`` audit event's (path, mode, flags) opens for writing."""
+    _, mode, flags = args
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return bool(isinstance(flags, int) and flags & (_os.O_WRONLY | _os.O_RDWR))
 
 
 def kind_of(event, path):

@@ -159,8 +159,7 @@ class Session:
         Best effort: what cannot be removed now, the leader's watchdog removes
         when the job is gone.
         """
-        from mpistage.runtime.cleanup import release
-        from mpistage.runtime.removal import remove_path
+        from mpistage.runtime.cleanup import release, remove_path
 
         self.closed = True
         if self.staged is None or self.keep or self.forked:

@@ -36,10 +36,12 @@ class JobPlace:
 
     def make(self, buf, footprint):
         """Create, guard and return this node's staging root."""
-        from mpistage.runtime.cleanup import guard
+        from mpistage.runtime.cleanup import guard, reap_dead_roots
         from mpistage.runtime.place import make_root, write_owner
 
-        root = make_root(self.tag, self.node, footprint, skip=self.full)
+        root = make_root(
+            self.tag, self.node, footprint, skip=self.full, reap=reap_dead_roots
+        )
         guard(root)
         write_owner(root, self.tag)
         return root

@@ -99,7 +99,7 @@ class TargetPlace:
 
     def discard(self, root):
         """Empty ``DIR`` after a failed stage; the directory itself stays."""
-        from mpistage.runtime.removal import empty
+        from mpistage.runtime.cleanup import empty
 
         if not getattr(root, "reused", False):
             empty(root.fd)

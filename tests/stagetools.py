@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 
 PYTHON = sys.executable
 TIMEOUT = 60
@@ -270,7 +271,7 @@ def rewrite_manifest(src, dst, edit):
     """
     raw = Path(src).read_bytes()
     _magic, fmt, reserved, offset, _length, _digest = bundlefile.HEADER.unpack_from(raw)
-    manifest = bundlefile.read_manifest(src)
+    manifest = read_manifest(src)
     edit(manifest)
     new = json.dumps(manifest, separators=(",", ":")).encode()
     digest = hashlib.sha256(new).digest()

@@ -3,7 +3,7 @@
 import pytest
 
 import mpistage as api
-from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from stagetools import (
     clean_environ,
     first_file_member,
@@ -50,7 +50,7 @@ emit(facts)
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_staged_serves_then_restores(tmp_path, stage_env, stage_dir, tiny, ranks):
     corrupt = tmp_path / "corrupt.mpistage"
-    member = first_file_member(bundlefile.read_manifest(tiny["bundle"]))
+    member = first_file_member(read_manifest(tiny["bundle"]))
     flip_byte(tiny["bundle"], corrupt, member["offset"])
     target = write_target(tmp_path / "app.py", STAGED_APP)
     stage_env.update(

@@ -16,6 +16,7 @@ import pytest
 
 from crafttools import craft
 from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from stagetools import (
     MPIEXEC,
     PYTHON,
@@ -366,9 +367,7 @@ def test_auto_saves_when_the_program_finalizes_mpi(tmp_path, stage_env, tiny):
     result, status = mpirun_status(2, args, env)
     assert result.returncode == 0 and status == {0: 0, 1: 0}, result
     (saved,) = cache.glob("*.mpistage")
-    assert "tinypkg/__init__.py" in {
-        m["rel"] for m in bundlefile.read_manifest(saved)["members"]
-    }
+    assert "tinypkg/__init__.py" in {m["rel"] for m in read_manifest(saved)["members"]}
 
 
 @pytest.mark.parametrize("state", ["gone", "zombie"])

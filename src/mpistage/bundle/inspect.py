@@ -80,6 +80,6 @@ def summary(manifest):
 
 def inspect(bundle):
     """Return the checked manifest of *bundle* (reads its header and manifest only)."""
-    from mpistage.runtime.bundlefile import read_manifest
+    from mpistage.runtime.read import read_manifest
 
     return read_manifest(bundle)

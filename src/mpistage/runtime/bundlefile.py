@@ -27,7 +27,6 @@ wrong before any rank acts on it, so extraction may rely on its shape:
 The writer is :mod:`mpistage.bundle.writer`.
 """
 
-import os as _os
 import struct as _struct
 import sys as _sys
 
@@ -128,25 +127,6 @@ def manifest_of(buf, name):
     offset, length, digest = parse_header(buf[:HEADER_SIZE], len(buf), name)
     raw = memoryview(buf)[offset : offset + length]
     return check(load_manifest(raw, digest, name), offset, name)
-
-
-def read_manifest(path):
-    """Read only the header and manifest of the bundle at *path*, checked."""
-    from mpistage.runtime.read import open_regular
-
-    fd = open_regular(path, "bundle")
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
-            f.seek(offset)
-            raw = f.read(length)
-    except OSError as exc:
-        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
-    finally:
-        _os.close(fd)
-    return check(load_manifest(raw, digest, path), offset, path)
 
 
 def original_path(manifest, member):

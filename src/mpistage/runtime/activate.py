@@ -5,17 +5,21 @@ Activation changes four things, and :func:`deactivate` undoes them:
 - a path hook first in ``sys.path_hooks`` (:class:`~.finders.StagedHook`)
   serves each bundled sys.path root from the staged copy, whether the root
   is on ``sys.path`` now or is added later; ``sys.path`` is left as it is;
-- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`MetadataFinder`)
+- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`~.finders.MetadataFinder`)
   so that ``importlib.metadata`` reads distributions from the staged copy;
 - other meta path finders (setuptools' finder-based editable installs) are
-  wrapped (:class:`RedirectFinder`) so that what they find in a bundled tree
+  wrapped (:class:`~.finders.RedirectFinder`) so that what they find in a bundled tree
   is loaded from the staged copy too;
 - ``PYTHONPATH`` gains a node-local directory whose ``sitecustomize``
   activates the same copy in child processes (``subprocess``,
   ``multiprocessing`` with spawn or forkserver) for the life of the job.
 
 ``pkgutil.iter_modules`` lists bundled roots from their listings, and
-``pkg_resources`` builds its working set from the staged copies.
+``pkg_resources`` builds its working set from the staged copies. After a
+``staged()`` block, modules imported inside it are pointed back at the
+originals (:func:`repoint`). The finders and loaders themselves are
+:mod:`~mpistage.runtime.finders`'; what was served is
+:func:`mpistage.runtime.report.classify`'s to say.
 """
 
 import os as _os
@@ -87,184 +91,6 @@ def finders_of(roots):
     return finders, partial
 
 
-class MetadataFinder:
-    """Stands in for ``PathFinder`` in ``sys.meta_path``.
-
-    Finding modules is left to ``PathFinder``; finding distributions
-    (``importlib.metadata``) looks at the staged copy of each bundled root,
-    and at the original after it only when the original holds distributions
-    the bundle lacks. It also lets ``pkgutil`` and ``pkg_resources`` know
-    the staged roots when they are imported.
-    """
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def find_spec(self, fullname, path=None, target=None):
-        """Find a module as ``PathFinder`` does; prepare pkgutil, pkg_resources."""
-        spec = self.base.find_spec(fullname, path, target)
-        if spec is not None and fullname in AFTER_IMPORT:
-            spec.loader = Prepared(spec.loader, fullname, self.roots)
-        return spec
-
-    def find_distributions(self, context=None):
-        """Find distributions, reading bundled roots from their staged copy."""
-        from importlib.metadata import DistributionFinder
-
-        context = context or DistributionFinder.Context()
-        path = metadata_path(context.path, self.roots)
-        return self.base.find_distributions(
-            DistributionFinder.Context(name=context.name, path=path)
-        )
-
-
-def metadata_path(entries, roots, keep=False):
-    """Return *entries* with each bundled root replaced by where its metadata is.
-
-    A root the bundle holds nothing of is dropped when its listing shows no
-    distributions; with *keep*, it stays (``pkg_resources`` also imports
-    through this path while it scans).
-    """
-    path = []
-    for entry in entries:
-        root = roots.get(_os.path.abspath(entry or "."))
-        if root is None or (keep and root.staged is None):
-            path.append(entry)
-        else:
-            path += root.metadata_paths()
-    return path
-
-
-class Prepared:
-    """A loader that runs ``pkgutil`` or ``pkg_resources`` with staged roots known."""
-
-    def __init__(self, loader, name, roots):
-        self.loader, self.name, self.roots = loader, name, roots
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        """Create the module as the real loader does."""
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
-
-        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
-        is imported; scanning the staged copies keeps that node-local.
-        """
-        module.__loader__ = module.__spec__.loader = self.loader
-        saved = _sys.path[:]
-        if self.name == "pkg_resources":
-            _sys.path[:] = metadata_path(saved, self.roots, keep=True)
-        try:
-            self.loader.exec_module(module)
-        finally:
-            _sys.path[:] = saved
-        AFTER_IMPORT[self.name](module)
-
-
-def register_pkgutil(pkgutil):
-    """Let ``pkgutil.iter_modules`` list bundled roots from their listings."""
-    from mpistage.runtime.finders import StagedFinder
-
-    @pkgutil.iter_importer_modules.register(StagedFinder)
-    def _iter_staged(importer, prefix=""):
-        return importer.iter_modules(prefix)
-
-
-def register_pkg_resources(pkg_resources):
-    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
-    from mpistage.runtime.finders import StagedFinder
-
-    def find_staged(importer, path_item, only=False):
-        for path in importer.root.metadata_paths():
-            yield from pkg_resources.find_on_path(importer, path, only)
-
-    pkg_resources.register_finder(StagedFinder, find_staged)
-
-
-AFTER_IMPORT = {"pkgutil": register_pkgutil, "pkg_resources": register_pkg_resources}
-
-
-class RedirectFinder:
-    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def find_spec(self, fullname, path=None, target=None):
-        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
-        from importlib.machinery import (
-            ExtensionFileLoader,
-            SourceFileLoader,
-            SourcelessFileLoader,
-        )
-
-        spec = self.base.find_spec(fullname, path, target)
-        plain = (SourceFileLoader, SourcelessFileLoader, ExtensionFileLoader)
-        if spec is None or type(spec.loader) not in plain or not spec.has_location:
-            return spec  # A loader of its own (pytest's rewriting): left alone.
-        return staged_spec(spec, self.roots) or spec
-
-
-def staged_spec(spec, roots):
-    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
-    from importlib.util import spec_from_file_location
-
-    from mpistage.runtime.finders import transparent_spec
-
-    for root in roots.values():
-        if root.staged and spec.origin.startswith(root.path + _os.sep):
-            copy = root.staged + spec.origin[len(root.path) :]
-            if not _os.path.isfile(copy):
-                return None
-            package = spec.submodule_search_locations is not None
-            locations = [_os.path.dirname(copy)] if package else None
-            found = spec_from_file_location(
-                spec.name, copy, submodule_search_locations=locations
-            )
-            rel = copy[len(root.staged) + 1 :]
-            return transparent_spec(found, root) if root.transparent(rel) else found
-    return None
-
-
-def wrap_meta_finders(roots):
-    """Wrap the meta path finders that are not the standard ones; return them."""
-    from importlib.machinery import BuiltinImporter, FrozenImporter
-
-    standard = (BuiltinImporter, FrozenImporter)
-    wrapped = []
-    for index, finder in enumerate(_sys.meta_path):
-        if finder in standard or isinstance(finder, MetadataFinder):
-            continue
-        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
-            continue
-        if not hasattr(finder, "find_spec"):
-            continue
-        _sys.meta_path[index] = RedirectFinder(finder, roots)
-        wrapped.append(_sys.meta_path[index])
-    return wrapped
-
-
-def install_metadata_finder(roots):
-    """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
-    from importlib.machinery import PathFinder
-
-    for index, finder in enumerate(_sys.meta_path):
-        if finder is PathFinder:
-            _sys.meta_path[index] = MetadataFinder(finder, roots)
-            return _sys.meta_path[index]
-    return None
-
-
 def forget(finders):
     """Drop cached path finders of bundled roots and of directories inside them."""
     roots = tuple(root + _os.sep for root in finders)
@@ -278,7 +104,12 @@ def activate(staged, children=True):
     """Serve the bundled roots of *staged* from its node-local copy."""
     import importlib
 
-    from mpistage.runtime.finders import StagedHook
+    from mpistage.runtime.finders import (
+        StagedHook,
+        install_metadata_finder,
+        register_pkgutil,
+        wrap_meta_finders,
+    )
 
     roots = roots_of(staged)
     finders, partial = finders_of(roots)
@@ -443,26 +274,3 @@ def activate_child(plan):
     with open(fd, encoding="utf-8") as f, lend("json"):
         found = own_module("json").load(f)
     activate(Staged(found["path"], found["manifest"], 0), children=False)
-
-
-def classify(activation):
-    """Sort modules imported since activation: served, missed, stdlib."""
-    from mpistage.runtime.finders import TransparentLoader
-    from mpistage.runtime.roots import in_stdlib
-
-    served, missed, stdlib = [], [], []
-    root = activation.root + _os.sep
-    for name, module in list(_sys.modules.items()):
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None)
-        if name in activation.before or name.partition(".")[0] == "mpistage":
-            continue
-        if not origin or not _os.path.isabs(origin):
-            continue
-        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
-            served.append(name)
-        elif in_stdlib(origin):
-            stdlib.append(name)
-        else:
-            missed.append(name)
-    return {"served": served, "missed": missed, "stdlib": stdlib}

@@ -95,8 +95,6 @@ def kind_of(event, path):
 
 def local_facts(session, seconds, watch=None):
     """Return this rank's timings, import counts and original accesses."""
-    from mpistage.runtime.activate import classify
-
     empty = {"served": [], "missed": [], "stdlib": []}
     activation = session.activation if session else None
     modules = classify(activation) if activation else empty
@@ -207,3 +205,26 @@ def write_json(path, data):
     except BaseException:
         _os.unlink(tmp)
         raise
+
+
+def classify(activation):
+    """Sort modules imported since activation: served, missed, stdlib."""
+    from mpistage.runtime.finders import TransparentLoader
+    from mpistage.runtime.roots import in_stdlib
+
+    served, missed, stdlib = [], [], []
+    root = activation.root + _os.sep
+    for name, module in list(_sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
+        if name in activation.before or name.partition(".")[0] == "mpistage":
+            continue
+        if not origin or not _os.path.isabs(origin):
+            continue
+        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
+            served.append(name)
+        elif in_stdlib(origin):
+            stdlib.append(name)
+        else:
+            missed.append(name)
+    return {"served": served, "missed": missed, "stdlib": stdlib}

@@ -22,6 +22,19 @@ import sys as _sys
 __version__ = "0.2.0"
 __all__ = ["StageError", "__version__", "data", "inspect", "pack", "staged"]
 
+# The ``mpistage`` commands that are tools, and the module of each; every
+# other word is the runner (a script), but ``stage``, which runs in every
+# rank (:mod:`mpistage.runtime.stager`).
+TOOLS = {
+    "pack": "mpistage.cli.pack",
+    "record": "mpistage.cli.record",
+    "inspect": "mpistage.cli.inspect",
+    "clean": "mpistage.cli.clean",
+    "run": "mpistage.cli.run",
+    "bench": "mpistage.bench.cli",
+}
+COMMANDS = ("stage", *TOOLS)
+
 
 class StageError(Exception):
     """The one error class of mpistage: bad input, refused places, failed steps.

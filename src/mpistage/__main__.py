@@ -13,7 +13,7 @@ runtime package from rank 0 (:func:`mpistage.load_runtime`), restores
 import os as _os
 import sys as _sys
 
-TOOLS = ("pack", "record", "inspect", "clean", "run", "bench")
+from mpistage import TOOLS
 
 
 def main(argv=None):

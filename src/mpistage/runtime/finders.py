@@ -151,10 +151,11 @@ class StagedFinder(_FileFinder):
 
     def entries(self):
         """The directory's entries, directories ending in ``/``: listing or copy."""
+        from mpistage.runtime.roots import listing
+
         if self.path == self.root.path:
             return self.root.listing
-        with _os.scandir(self.staged or self.path) as found:
-            return sorted(e.name + "/" if e.is_dir() else e.name for e in found)
+        return listing(self.staged or self.path)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module."""

@@ -55,13 +55,14 @@ class StagingDir:
     """A staging directory: its resolved path, and descriptors of it and its parent.
 
     *holder* is ``(descriptor, name)`` of a private per-user directory made
-    for this root alone (see squatting), removed with it.
+    for this root alone (see squatting), removed with it. *reused*: it held
+    the bundle already (``mpistage stage`` into a complete stage of it).
     """
 
-    def __init__(self, path, fd, parent_fd, holder=None):
+    def __init__(self, path, fd, parent_fd, holder=None, reused=False):
         self.path, self.fd, self.parent_fd = path, fd, parent_fd
-        self.name = _os.path.basename(path)
-        self.holder = holder
+        self.name = _os.path.basename(path or "")
+        self.holder, self.reused = holder, reused
 
     def close(self):
         """Close the descriptors (the directory stays)."""

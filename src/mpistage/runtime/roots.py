@@ -66,7 +66,11 @@ def module_names(listing):
 
 
 def listing(root):
-    """Return the entries of the directory *root*, directories ending in ``/``."""
+    """Return the entries of the directory *root*, directories ending in ``/``.
+
+    *root* is a path or an open directory descriptor. This is the one form
+    of a listing: in manifests, in staleness checks and in finders.
+    """
     with _os.scandir(root) as entries:
         return sorted(e.name + "/" if e.is_dir() else e.name for e in entries)
 

@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import StageError
+from mpistage import COMMANDS, StageError
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
@@ -41,8 +41,9 @@ environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
 MPISTAGE_CACHE_DIR.
 
-tools: mpistage {pack,record,inspect,stage,run,clean,bench} --help"""
+tools: mpistage {%s} --help"""
 
+USAGE %= ",".join(COMMANDS)
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
 

@@ -89,10 +89,9 @@ def changed_in_root(manifest, index, mode, limit):
 
 def refresh_listing(fd, root):
     """Replace the root's recorded listing with what it holds now."""
-    with _os.scandir(fd) as entries:
-        root["listing"] = sorted(
-            e.name + "/" if e.is_dir() else e.name for e in entries
-        )
+    from mpistage.runtime.roots import listing
+
+    root["listing"] = listing(fd)
 
 
 def stamp_changed(fd, root):

@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[mpich,test,bench,env]"
+	$(PY) -m pip install -q -e ".[mpich,test,bench,env,packages]"
 	touch $@
 
 system:

@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from mpistage.runtime import format as fmt
+from mpistage.runtime import bundlefile
 
 
 def craft(path, members, roots=None, kind="packages", raw=None, edit=None):
@@ -22,7 +22,7 @@ def craft(path, members, roots=None, kind="packages", raw=None, edit=None):
         member = {"root": 0, "mode": 0o644, "mtime_ns": 0, **member}
         if member["type"] == "file":
             content = member.pop("data", b"x")
-            offset = fmt.HEADER_SIZE + len(data)
+            offset = bundlefile.HEADER_SIZE + len(data)
             digest = hashlib.sha256(content).hexdigest()
             member.update(offset=offset, size=len(content), sha256=digest)
             data += content
@@ -32,7 +32,7 @@ def craft(path, members, roots=None, kind="packages", raw=None, edit=None):
         "kind": kind,
         "created_by": "test",
         "created": "now",
-        "python": fmt.python_tag(),
+        "python": bundlefile.python_tag(),
         "packages": [],
         "roots": roots,
         "members": listed,
@@ -40,8 +40,10 @@ def craft(path, members, roots=None, kind="packages", raw=None, edit=None):
     if edit is not None:
         edit(manifest)
     raw = json.dumps(manifest).encode() if raw is None else raw
-    offset = fmt.HEADER_SIZE + len(data)
+    offset = bundlefile.HEADER_SIZE + len(data)
     digest = hashlib.sha256(raw).digest()
-    header = fmt.HEADER.pack(fmt.MAGIC, fmt.FORMAT, 0, offset, len(raw), digest)
-    Path(path).write_bytes(header.ljust(fmt.HEADER_SIZE, b"\0") + data + raw)
+    header = bundlefile.HEADER.pack(
+        bundlefile.MAGIC, bundlefile.FORMAT, 0, offset, len(raw), digest
+    )
+    Path(path).write_bytes(header.ljust(bundlefile.HEADER_SIZE, b"\0") + data + raw)
     return Path(path)

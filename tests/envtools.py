@@ -64,8 +64,41 @@ def small_venv(tmp_path_factory):
     return _built["venv"]
 
 
-def build_venv(prefix):
-    """Make the small venv at *prefix* and check that numpy and MPI work in it."""
+def package_venv(tmp_path_factory, dists):
+    """Return a venv like the small one plus *dists* and what they require."""
+    key = ("packages", *sorted(dists))
+    if key not in _built:
+        prefix = tmp_path_factory.mktemp("packagevenv") / "V"
+        _built[key] = build_venv(prefix, site_entries(dists))
+    return _built[key]
+
+
+def site_entries(dists):
+    """Return the site-packages entries of *dists* and their requirements."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    todo, seen, entries = list(dists), set(), set()
+    while todo:
+        name = todo.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        dist = metadata.distribution(name)
+        for requirement in map(Requirement, dist.requires or []):
+            marker = requirement.marker
+            if marker is None or marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+        entries |= {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}
+    return sorted(entries - {"__pycache__"})
+
+
+def build_venv(prefix, extra=()):
+    """Make the small venv at *prefix* and check that numpy and MPI work in it.
+
+    *extra* names more site-packages entries to copy in.
+    """
     base_python = base_interpreter()
     if not base_python.exists():
         pytest.skip(f"base interpreter {base_python} is gone")
@@ -79,6 +112,11 @@ def build_venv(prefix):
         if not (site / name).exists():
             pytest.skip(f"{site / name} is not installed")
         shutil.copytree(site / name, venv.site / name, symlinks=True)
+    for name in sorted(set(extra) - set(names)):
+        if (site / name).is_dir():
+            shutil.copytree(site / name, venv.site / name, symlinks=True)
+        else:
+            shutil.copy2(site / name, venv.site / name)
     # The MPICH wheel's files outside site-packages: libmpi, its own
     # libraries in lib/mpich, and mpiexec with the hydra helpers it starts
     # from its own directory.

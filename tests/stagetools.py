@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import format as bundle
+from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 
 PYTHON = sys.executable
 TIMEOUT = 60
@@ -269,14 +270,16 @@ def rewrite_manifest(src, dst, edit):
     consistent): only what *edit* changed differs.
     """
     raw = Path(src).read_bytes()
-    _magic, fmt, reserved, offset, _length, _digest = bundle.HEADER.unpack_from(raw)
-    manifest = bundle.read_manifest(src)
+    _magic, fmt, reserved, offset, _length, _digest = bundlefile.HEADER.unpack_from(raw)
+    manifest = read_manifest(src)
     edit(manifest)
     new = json.dumps(manifest, separators=(",", ":")).encode()
     digest = hashlib.sha256(new).digest()
-    header = bundle.HEADER.pack(bundle.MAGIC, fmt, reserved, offset, len(new), digest)
-    header = header.ljust(bundle.HEADER_SIZE, b"\0")
-    Path(dst).write_bytes(header + raw[bundle.HEADER_SIZE : offset] + new)
+    header = bundlefile.HEADER.pack(
+        bundlefile.MAGIC, fmt, reserved, offset, len(new), digest
+    )
+    header = header.ljust(bundlefile.HEADER_SIZE, b"\0")
+    Path(dst).write_bytes(header + raw[bundlefile.HEADER_SIZE : offset] + new)
     return Path(dst)
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 import mpistage as api
-from mpistage.runtime import format as bundle
+from mpistage.runtime.read import read_manifest
 from stagetools import (
     clean_environ,
     first_file_member,
@@ -50,7 +50,7 @@ emit(facts)
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_staged_serves_then_restores(tmp_path, stage_env, stage_dir, tiny, ranks):
     corrupt = tmp_path / "corrupt.mpistage"
-    member = first_file_member(bundle.read_manifest(tiny["bundle"]))
+    member = first_file_member(read_manifest(tiny["bundle"]))
     flip_byte(tiny["bundle"], corrupt, member["offset"])
     target = write_target(tmp_path / "app.py", STAGED_APP)
     stage_env.update(
@@ -127,3 +127,38 @@ def test_version_without_mpi():
     result = mpistage(["--version"], env=clean_environ())
     assert result.returncode == 0, result
     assert result.stdout.strip() == f"mpistage {api.__version__}"
+
+
+AFTER_APP = """
+import os, sys
+from mpi4py import MPI
+import mpistage
+
+comm = MPI.COMM_WORLD
+with mpistage.staged(sys.argv[1], comm=comm) as session:
+    import tinypkg
+    inside, copy = tinypkg.__file__, session.staged.path
+import tinypkg.sub  # not imported inside the block
+with open(os.path.join(os.path.dirname(tinypkg.__file__), "blob.bin"), "rb") as f:
+    blob = len(f.read())
+emit({"inside": inside, "copy": copy, "after": tinypkg.__file__,
+      "spec": tinypkg.__spec__.origin, "path": list(tinypkg.__path__),
+      "sub": tinypkg.sub.TEXT, "sub_file": tinypkg.sub.__file__, "blob": blob,
+      "copy_exists": os.path.exists(copy)})
+"""
+
+
+def test_imports_after_the_block_come_from_the_originals(tmp_path, stage_env, tiny):
+    target = write_target(tmp_path / "app.py", AFTER_APP)
+    env = dict(stage_env, PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(4, [target, tiny["bundle"]], env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    pkg = tiny["site"] / "tinypkg"
+    for facts in results(env, 4):
+        assert facts["inside"] == facts["copy"] + "/r0/tinypkg/__init__.py", facts
+        assert not facts["copy_exists"], facts
+        assert facts["after"] == facts["spec"] == str(pkg / "__init__.py"), facts
+        assert facts["path"] == [str(pkg)], facts
+        assert facts["sub"] == "tiny data", facts
+        assert facts["sub_file"] == str(pkg / "sub" / "__init__.py"), facts
+        assert facts["blob"] == 10_000, facts

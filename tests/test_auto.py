@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mpistage.runtime import format as bundle
+from mpistage.runtime.read import read_manifest
 from recordtools import below, need_report, replay
 from stagetools import (
     MPIEXEC,
@@ -61,7 +61,7 @@ def test_first_run_records_then_replays(tmp_path, stage_env, stage_dir, app):
     assert cached.name.startswith("app-")
     assert temporaries(cache) == []
     assert cache.stat().st_mode & 0o077 == 0
-    manifest = bundle.read_manifest(cached)
+    manifest = read_manifest(cached)
     assert manifest["created_by"] == "auto"
     assert "tinypkg" in manifest["packages"]
     assert facts["bundle"] == str(cached)

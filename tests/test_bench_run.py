@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mpistage.bench import simfs
-from mpistage.bench.run import COLUMNS
+from mpistage.bench.sweep import COLUMNS
 from stagetools import clean_environ, run
 
 FUSE_REASON = simfs.fuse_available()
@@ -103,3 +103,16 @@ def test_realistic_layout_counts_what_every_rank_pays(realistic):
     env = cell[("staged-env", 3)]
     assert env["ops_rank0"] == env["ops_rank_max"] == 0
     assert env["ops_stage_node"] > 0 and env["stage_s"] > 0
+
+
+def test_bench_data_on_two_nodes(tmp_path):
+    out = tmp_path / "out"
+    args = [*("-m", "mpistage", "bench", "data", "--size", "1MiB", "--ranks", "2")]
+    args += [*("--nodes", "2", "--readers", "1,2", "--latency", "0", "-o", str(out))]
+    result = run([sys.executable, *args], env=clean_environ(), timeout=300)
+    assert result.returncode == 0, result
+    found = json.loads((out / "data.json").read_text())
+    rows = [r for table in ("compare", "readers") for r in found[table]]
+    shared = [r for r in rows if r["mode"] == "mpistage" and r["io"] == "posix"]
+    # Only the readers touch the shared FS, each through its own node's mount.
+    assert {r["readers"]: r["fs_processes"] for r in shared} == {1: 1, 2: 2}, rows

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from mpistage import StageError
-from mpistage.runtime import format as bundlefile
+from mpistage.runtime import bundlefile
 
 DATA_END = 1000
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import format as fmt
+from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from recordtools import need_report, replay
 from stagetools import (
     MPIEXEC,
@@ -200,7 +201,7 @@ def editable(tmp_path_factory):
         pytest.skip(f"pip cannot make an editable install here: {done.stderr[-300:]}")
     site = next((venv / "lib").glob("python*/site-packages"))
     here = [p for p in sys.path if p.endswith("site-packages")] + [
-        str(Path(fmt.__file__).parents[2])
+        str(Path(bundlefile.__file__).parents[2])
     ]
     (site / "zz-mpistage-test.pth").write_text("\n".join(here) + "\n")
     finders = list(site.glob("__editable__*finder.py"))
@@ -253,7 +254,7 @@ def test_auto_learns_what_every_rank_imported(tmp_path, stage_env):
         assert facts["auto"].startswith(expected), facts
     assert facts["modules"]["missed"] == 0, facts
     (saved,) = (tmp_path / "cache").glob("*.mpistage")
-    rels = {m["rel"] for m in fmt.read_manifest(saved)["members"]}
+    rels = {m["rel"] for m in read_manifest(saved)["members"]}
     assert {"common.py", "rank1only.py"} <= rels
 
 
@@ -287,7 +288,7 @@ def test_record_keeps_data_reached_through_dotdot_and_listings(
     done = mpistage(args, env=env, cwd=tmp_path)
     assert done.returncode == 0, done
     expected = plain_result(env)  # the recorded run was a plain one
-    rels = {m["rel"] for m in fmt.read_manifest(bundle)["members"]}
+    rels = {m["rel"] for m in read_manifest(bundle)["members"]}
     assert "shared/table.txt" in rels, rels  # reached as datapkg/../shared
     result, facts = replay(
         2, ["--bundle", bundle, "--report"], script, env, tmp_path / "r.json"

@@ -21,7 +21,7 @@ import pytest
 
 from envtools import elf_files, opened, runpaths, small_venv, trace_paths, under
 from mpistage.bundle import elfdeps
-from mpistage.runtime import format as bundle_format
+from mpistage.runtime.read import read_manifest
 from mpistage.runtime.roots import destinations
 from stagetools import (
     MPIEXEC,
@@ -145,7 +145,7 @@ def test_stage_fills_one_dir_per_node(staged, env_bundle):
     keep = "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     assert f'export LD_LIBRARY_PATH="{n0}/lib{keep}"' in lines
 
-    manifest = bundle_format.read_manifest(env_bundle)
+    manifest = read_manifest(env_bundle)
     dests = destinations(manifest)
     for folder in (n0, n1):
         assert folder.stat().st_mode & 0o777 == 0o700
@@ -313,7 +313,7 @@ def test_inspect_shows_a_venv_with_its_base(env_bundle, venv):
     result = mpistage(["inspect", env_bundle], clean_environ())
     assert result.returncode == 0, result
     assert f"environment: venv {venv.prefix} with base {venv.base}" in result.stdout
-    manifest = bundle_format.read_manifest(env_bundle)
+    manifest = read_manifest(env_bundle)
     assert manifest["kind"] == "env"
     assert manifest["env"]["kind"] == "venv"
     assert "pyvenv.cfg" not in {m["rel"] for m in manifest["members"]}
@@ -424,14 +424,14 @@ def test_refuses_a_dir_without_room(env_bundle, full_fs):
     target = full_fs / "env"
     error = assert_refused(stage(2, env_bundle, target), 2, "bytes free", "needed")
     need = int(error.rsplit(", ", 1)[1].split()[0])  # whole blocks of every file
-    data = sum(m["size"] for m in bundle_format.read_manifest(env_bundle)["members"])
+    data = sum(m["size"] for m in read_manifest(env_bundle)["members"])
     assert data <= need <= env_bundle.stat().st_size * 2, error
     assert empty_or_absent(target)
     assert [p.name for p in full_fs.iterdir()] in ([], ["env"])
 
 
 def test_corrupt_bundle_leaves_no_partial_tree(env_bundle, tmp_path, discard):
-    manifest = bundle_format.read_manifest(env_bundle)
+    manifest = read_manifest(env_bundle)
     # The last file in the data: everything before it is written first.
     files = [m for m in manifest["members"] if m["type"] == "file" and m["size"]]
     member = max(files, key=lambda m: m["offset"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import format as bundle
+from mpistage.runtime.read import read_manifest
 from stagetools import (
     PYTHON,
     first_file_member,
@@ -44,7 +44,7 @@ def wrong_python(manifest):
 def make_bad_bundle(kind, good, folder):
     """Return a broken copy of the bundle *good*, and the expected cause."""
     path = Path(folder) / f"{kind}.mpistage"
-    manifest = bundle.read_manifest(good)
+    manifest = read_manifest(good)
     data = good.read_bytes()
     if kind == "corrupt-member":
         member = first_file_member(manifest)
@@ -99,7 +99,7 @@ def test_bad_bundle(tmp_path, stage_env, stage_dir, tiny, kind):
 def test_rewritten_manifest_helper_makes_a_valid_bundle(tmp_path, tiny):
     """The wrong-python case above fails for its version, not for corruption."""
     copy = rewrite_manifest(tiny["bundle"], tmp_path / "same.mpistage", lambda m: m)
-    assert bundle.read_manifest(copy) == bundle.read_manifest(tiny["bundle"])
+    assert read_manifest(copy) == read_manifest(tiny["bundle"])
     assert copy.read_bytes() == tiny["bundle"].read_bytes()
 
 

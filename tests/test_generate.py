@@ -15,13 +15,19 @@ import pytest
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 
-from mpistage.bench import generate as gen
-from mpistage.bench.generate import GenerateError, generate
+from mpistage.bench.generate import (
+    GenerateError,
+    cli_generate,
+    find_compiler,
+    generate,
+)
+from mpistage.bench.generate.native import rpath_for
+from mpistage.bench.generate.tree import package_paths
 
 
 def _compiler_reason():
     try:
-        gen.find_compiler()
+        find_compiler()
     except GenerateError as exc:
         return str(exc)
     return None
@@ -192,7 +198,7 @@ def test_extensions_without_libraries(tmp_path):
 def test_missing_compiler_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(GenerateError, match="C compiler not found: 'no-such-cc'"):
         generate(tmp_path / "site", extensions=1, cc="no-such-cc")
-    assert gen.cli_generate([str(tmp_path / "x"), "--cc", "no-such-cc"]) == 1
+    assert cli_generate([str(tmp_path / "x"), "--cc", "no-such-cc"]) == 1
     assert capsys.readouterr().err == (
         "mpistage: error: C compiler not found: 'no-such-cc'\n"
     )
@@ -205,9 +211,9 @@ def test_existing_workload_needs_force(tmp_path, capsys):
         generate(tmp_path, **options)
     generate(tmp_path, overwrite=True, **options)
     argv = [str(tmp_path), "--modules", "1", "--extensions", "0", "--name", "again"]
-    assert gen.cli_generate(argv) == 1
+    assert cli_generate(argv) == 1
     assert "already exists (remove it or use --force)" in capsys.readouterr().err
-    assert gen.cli_generate([*argv, "--force"]) == 0
+    assert cli_generate([*argv, "--force"]) == 0
     assert "-m again.driver" in capsys.readouterr().out
 
 
@@ -220,19 +226,19 @@ def test_existing_workload_needs_force(tmp_path, capsys):
     ],
 )
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
-    assert gen.cli_generate([str(tmp_path), "--extensions", "0", *argv]) == 1
+    assert cli_generate([str(tmp_path), "--extensions", "0", *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mpistage: error: ") and message in err
     assert err.count("\n") == 1
 
 
 def test_package_paths_nest_up_to_depth():
-    assert gen.package_paths(5, 2) == [
+    assert package_paths(5, 2) == [
         ("sub00",),
         ("sub00", "sub01"),
         ("sub02",),
         ("sub02", "sub03"),
         ("sub04",),
     ]
-    assert gen.package_paths(2, 0) == [("sub00",), ("sub01",)]
-    assert gen.rpath_for("ws", ("a", "b")) == "$ORIGIN/../../../ws.libs"
+    assert package_paths(2, 0) == [("sub00",), ("sub01",)]
+    assert rpath_for("ws", ("a", "b")) == "$ORIGIN/../../../ws.libs"

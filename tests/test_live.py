@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import format as fmt
+from mpistage.runtime import bundlefile as fmt
 from recordtools import need_report, replay
 from stagetools import (
     MPIEXEC,

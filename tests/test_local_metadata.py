@@ -17,7 +17,7 @@ import pytest
 
 from mpistage.bench import simfs
 from mpistage.bench.simfs import SimFS
-from mpistage.runtime import format as bundle
+from mpistage.runtime.read import read_manifest
 from recordtools import WORKLOAD, below, make_workload, need_report, replay
 from recordtools import recorded as record_ok
 from stagetools import PYTHON, clean_environ, results, run, write_target
@@ -215,7 +215,7 @@ def test_whole_replay_spares_the_shared_fs(mounted, tmp_path, stage_env, stage_d
     assert zero["ops"].get("open") == 1, zero  # and opened no other file
     # the staleness check costs O(distributions + directories), not O(files):
     # one directory read, the RECORD, and a lookup plus a getattr per directory
-    manifest = bundle.read_manifest(mounted["bundle"])
+    manifest = read_manifest(mounted["bundle"])
     index = [r["path"] for r in manifest["roots"]].index(str(mounted["site"]))
     mine = [m for m in manifest["members"] if m["root"] == index]
     dirs = sum(1 for m in mine if m["type"] == "dir" and "__pycache__" not in m["rel"])

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from mpistage.bench import model
-from mpistage.bench.model import Inputs, Machine, cli, predict
+from mpistage.bench.model import Inputs, Machine, predict
+from mpistage.bench.model.cli import cli_model
+from mpistage.bench.model.plot import plot_ranks
 
 # A machine with round numbers: 1,000 ops/s per stream, 4 at once.
 HAND = Machine(
@@ -71,7 +72,7 @@ def table_rows(text):
 
 
 def test_cli_prints_the_table_from_defaults(capsys):
-    assert cli(["--ranks", "1024,16384,131072"]) == 0
+    assert cli_model(["--ranks", "1024,16384,131072"]) == 0
     out = capsys.readouterr().out
     assert "| ranks | nodes | mode | metadata s | read s | broadcast s |" in out
     rows = table_rows(out)
@@ -146,7 +147,7 @@ def results(tmp_path):
 
 
 def test_cli_prints_the_table_from_a_results_file(results, capsys):
-    assert cli(["--results", str(results), "--ranks", "1024,16384,131072"]) == 0
+    assert cli_model(["--results", str(results), "--ranks", "1024,16384,131072"]) == 0
     out = capsys.readouterr().out
     assert f"inputs: numpy from {results}" in out
     rows = {(r[0], r[2]): r for r in table_rows(out)}
@@ -163,7 +164,7 @@ def test_cli_prints_the_table_from_a_results_file(results, capsys):
 
 
 def test_validation_arithmetic(results, capsys):
-    assert cli(["--validate", str(results), "--cores", "2"]) == 0
+    assert cli_model(["--validate", str(results), "--cores", "2"]) == 0
     out = capsys.readouterr().out
     # plain, 8 ranks on 2 cores: 8,000 ops at 1 ms + 0.5 s × 8/2 = 10.0 s
     # against 12.5 s measured: -20 %
@@ -179,7 +180,7 @@ def test_validation_arithmetic(results, capsys):
 
 
 def test_seeds_put_the_model_beside_the_published_figures(capsys):
-    assert cli(["--seeds"]) == 0
+    assert cli_model(["--seeds"]) == 0
     out = capsys.readouterr().out
     # Hopper, 1,024 cores: 1,024 × 5,020 ops at 40,000/s + 1 s run = 130 s
     assert "| Hopper, Warp, 1,024 cores, /home (GPFS via DVS) | plain |" in out
@@ -190,10 +191,10 @@ def test_seeds_put_the_model_beside_the_published_figures(capsys):
 
 
 def test_set_changes_one_input_and_refuses_unknown_keys(capsys):
-    assert cli(["--ranks", "1024", "--set", "plain.ops_rank=5020"]) == 0
+    assert cli_model(["--ranks", "1024", "--set", "plain.ops_rank=5020"]) == 0
     plain = table_rows(capsys.readouterr().out)[0]
     assert plain[3] == "129"  # 1,024 × 5,020 ops at 40,000 ops/s = 128.5 s
-    assert cli(["--set", "plain.opps=1"]) == 1
+    assert cli_model(["--set", "plain.opps=1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("mpistage: error: --set: unknown input 'opps'")
 
@@ -201,7 +202,8 @@ def test_set_changes_one_input_and_refuses_unknown_keys(capsys):
 def run_model(*args):
     """Run the command in a fresh interpreter, as a user would."""
     code = (
-        "import sys; from mpistage.bench.model import cli; sys.exit(cli(sys.argv[1:]))"
+        "import sys; from mpistage.bench.model.cli import cli_model; "
+        "sys.exit(cli_model(sys.argv[1:]))"
     )
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60
@@ -241,6 +243,6 @@ def test_a_bad_results_file_gives_a_one_line_error(tmp_path, content, expected):
 def test_plot_is_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "model.png"
-    assert cli(["--ranks", "1024,131072", "--plot", str(png)]) == 0
+    assert cli_model(["--ranks", "1024,131072", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert model.plot_ranks([1024, 4096, 3000]) == [1024, 2048, 3000, 4096]
+    assert plot_ranks([1024, 4096, 3000]) == [1024, 2048, 3000, 4096]

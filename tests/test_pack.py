@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mpistage import StageError
-from mpistage.runtime import format as bundle
+from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from stagetools import clean_environ, mpistage, pack, sha256
 
 
@@ -32,11 +33,11 @@ def held_roots(manifest):
 def test_numpy_bundle_contents(numpy_bundle):
     import numpy
 
-    manifest = bundle.read_manifest(numpy_bundle)
+    manifest = read_manifest(numpy_bundle)
     site = Path(numpy.__file__).parent.parent
     assert held_roots(manifest) == [str(site)]
     assert manifest["packages"] == ["numpy"]
-    assert manifest["python"] == bundle.python_tag()
+    assert manifest["python"] == bundlefile.python_tag()
 
     rels = {m["rel"] for m in manifest["members"]}
     dist = metadata.distribution("numpy")
@@ -68,12 +69,12 @@ def test_numpy_bundle_contents(numpy_bundle):
 def test_inspect_summarizes(numpy_bundle):
     result = mpistage(["inspect", numpy_bundle], env=clean_environ())
     assert result.returncode == 0, result
-    manifest = bundle.read_manifest(numpy_bundle)
+    manifest = read_manifest(numpy_bundle)
     files = [m for m in manifest["members"] if m["type"] == "file"]
     lines = result.stdout.splitlines()
 
     assert lines[0] == f"bundle: {numpy_bundle}"
-    py = bundle.python_tag()
+    py = bundlefile.python_tag()
     assert (
         f"python: {py['implementation']} {py['version']} ({py['ext_suffix']})" in lines
     )
@@ -93,7 +94,7 @@ def test_inspect_summarizes(numpy_bundle):
 def test_inspect_json_is_the_manifest(tiny):
     result = mpistage(["inspect", "--json", tiny["bundle"]], env=clean_environ())
     assert result.returncode == 0, result
-    assert json.loads(result.stdout) == bundle.read_manifest(tiny["bundle"])
+    assert json.loads(result.stdout) == read_manifest(tiny["bundle"])
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,7 @@ def test_pack_directory_and_symlink(tmp_path):
     (lib / "pkg" / "data.txt").write_bytes(b"\x00\x01" * 100)
     (lib / "alias.py").symlink_to("pkg/__init__.py")
     out = pack(tmp_path / "lib.mpistage", "--path", lib, cwd=tmp_path)
-    manifest = bundle.read_manifest(out)
+    manifest = read_manifest(out)
     assert held_roots(manifest) == [str(lib)]
     assert manifest["roots"][0]["listing"] == ["alias.py", "pkg/"]
     members = {m["rel"]: m for m in manifest["members"]}
@@ -143,7 +144,7 @@ def test_single_module_takes_only_its_own_pyc(tmp_path):
     env = clean_environ()
     env["PYTHONPATH"] = str(site)
     out = pack(tmp_path / "a.mpistage", "mod_a", env=env)
-    files = set(files_of(bundle.read_manifest(out)))
+    files = set(files_of(read_manifest(out)))
     assert files == {"mod_a.py", os.path.relpath(_cached(site / "mod_a.py"), site)}
 
 
@@ -239,8 +240,28 @@ def test_pack_api_rejects_bad_names():
 
 
 def test_bundle_python_tag_matches_this_python():
-    tag = bundle.python_tag()
+    tag = bundlefile.python_tag()
     assert tag["ext_suffix"] == sysconfig.get_config_var("EXT_SUFFIX")
-    assert bundle.python_mismatch({"python": tag}) is None
+    assert bundlefile.python_mismatch({"python": tag}) is None
     other = dict(tag, version="2.7")
-    assert "built for Python '2.7'" in bundle.python_mismatch({"python": other})
+    assert "built for Python '2.7'" in bundlefile.python_mismatch({"python": other})
+
+
+def test_pack_path_dot_leaves_bundles_out(tmp_path, stage_env):
+    from stagetools import mpirun, results, write_target
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper.py").write_text("H = 'helped'\n")
+    script = write_target(project / "main.py", "import helper\nemit(helper.H)\n")
+    (project / "other.mpistage").write_bytes(b"another bundle, not a module")
+    out = project / "app.mpistage"
+    for _ in range(2):  # the second pack finds the first bundle in "."
+        pack(out, "--path", ".", cwd=project)
+    rels = {m["rel"] for m in read_manifest(out)["members"]}
+    assert "helper.py" in rels and "main.py" in rels, rels
+    assert not [r for r in rels if ".mpistage" in r], rels
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(2, ["-m", "mpistage", "--bundle", out, script], env, cwd=project)
+    assert result.returncode == 0, result  # not stale
+    assert results(env, 2) == ["helped", "helped"]

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from mpistage import StageError
-from mpistage.runtime import place, removal
+from mpistage.runtime import cleanup, place
 from mpistage.runtime.extract import Footprint
 
 ROOT = os.geteuid() == 0
@@ -152,7 +152,7 @@ def test_reap_removes_only_roots_of_dead_jobs_here(tmp_path):
     dead_private = root_of(private, "job-dead.n0", pid=dead_pid())
     fd = opened(tmp_path)
     try:
-        place.reap(fd)
+        cleanup.reap_dead_roots(fd)
     finally:
         os.close(fd)
     assert not dead.exists() and not dead_private.exists()
@@ -164,8 +164,8 @@ def test_stale_roots_with_kept_ones_for_clean(tmp_path):
     root_of(tmp_path, "job-dead.n0", pid=dead_pid())
     fd = opened(tmp_path)
     try:
-        assert list(place.stale_roots(fd)) == ["job-dead.n0"]
-        assert list(place.stale_roots(fd, kept_too=True)) == [
+        assert list(cleanup.stale_roots(fd)) == ["job-dead.n0"]
+        assert list(cleanup.stale_roots(fd, kept_too=True)) == [
             "job-dead.n0",
             "job-kept.n0",
         ]
@@ -190,7 +190,7 @@ def test_removal_walks_any_depth_with_two_descriptors(tmp_path):
     fds_before = len(os.listdir("/proc/self/fd"))
     fd = opened(tmp_path)
     try:
-        removal.remove_entry(fd, "t")
+        cleanup.remove_entry(fd, "t")
     finally:
         os.close(fd)
     assert not (tmp_path / "t").exists()
@@ -201,7 +201,7 @@ def test_removal_walks_any_depth_with_two_descriptors(tmp_path):
 def test_removal_of_what_is_gone_is_no_error(tmp_path):
     fd = opened(tmp_path)
     try:
-        removal.remove_entry(fd, "never-there")
+        cleanup.remove_entry(fd, "never-there")
     finally:
         os.close(fd)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import format as bundle
+from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from recordtools import WORKLOAD, below, make_workload, need_report, record, replay
 from recordtools import recorded as record_ok
 from stagetools import PYTHON, mpistage, results, run, write_target
@@ -67,11 +68,11 @@ def test_round_trip_generated_workload(tmp_path, stage_env, stage_dir):
     text = inspect(path, env)
     assert "made by: mpistage record" in text, text
     assert f"recorded: {PYTHON} {script} (granularity package)" in text, text
-    tag = bundle.python_tag()
+    tag = bundlefile.python_tag()
     assert f"python: {tag['implementation']} {tag['version']} " in text, text
     assert tag["ext_suffix"] in text
     assert any(line.endswith(f" {site}") for line in text.splitlines()), text
-    manifest = bundle.read_manifest(path)
+    manifest = read_manifest(path)
     assert WORKLOAD in manifest["packages"]
     assert manifest["recorded"]["granularity"] == "package"
     assert manifest["recorded"]["processes"] == 1
@@ -120,7 +121,7 @@ def test_round_trip_numpy(tmp_path, stage_env, stage_dir):
     script = write_target(tmp_path / "app" / "np_app.py", NUMPY_APP)
     expected = plain(script, stage_env, tmp_path / "plain-out").strip()
     path = record_into(tmp_path, "np", script, stage_env)
-    assert "numpy" in bundle.read_manifest(path)["packages"]
+    assert "numpy" in read_manifest(path)["packages"]
 
     result, facts = replay(
         4, ["--bundle", path, "--report"], script, stage_env, tmp_path / "r.json"
@@ -173,7 +174,7 @@ def test_record_under_mpiexec_takes_every_rank(tmp_path, stage_env, stage_dir):
     )
     assert result.returncode == 0, result
     assert sorted(p.name for p in out.iterdir()) == ["0.json", "1.json"]
-    manifest = bundle.read_manifest(path)
+    manifest = read_manifest(path)
     assert manifest["recorded"]["processes"] == 2, manifest["recorded"]
     assert {"common", "oddonly"} <= set(manifest["packages"]), manifest["packages"]
     assert "unused" not in manifest["packages"]
@@ -205,7 +206,7 @@ def test_namespace_package_across_two_roots(tmp_path, stage_env, stage_dir):
     env = dict(stage_env, PYTHONPATH=os.pathsep.join(map(str, roots)))
     expected = plain(script, env, tmp_path / "plain-out")
     path = record_into(tmp_path, "nsp", script, env)
-    paths = [r["path"] for r in bundle.read_manifest(path)["roots"]]
+    paths = [r["path"] for r in read_manifest(path)["roots"]]
     assert str(roots[0]) in paths and str(roots[1]) in paths, paths
 
     result, facts = replay(2, ["--bundle", path], script, env, tmp_path / "r.json")
@@ -246,7 +247,7 @@ def test_editable_install_through_pth(tmp_path, stage_env, stage_dir, editable_p
     script = write_target(tmp_path / "app" / "app.py", ED_APP)
     assert plain(script, stage_env, tmp_path / "plain-out") == "editable\n"
     path = record_into(tmp_path, "ed", script, stage_env)
-    manifest = bundle.read_manifest(path)
+    manifest = read_manifest(path)
     assert "edpkg" in manifest["packages"]
     assert str(editable_pth) in [r["path"] for r in manifest["roots"]]
 
@@ -290,7 +291,7 @@ def test_package_granularity_serves_a_late_submodule(
 ):
     lib, script, env = late_setup
     path = record_into(tmp_path, "pkg", script, env, granularity="package")
-    rels = {m["rel"] for m in bundle.read_manifest(path)["members"]}
+    rels = {m["rel"] for m in read_manifest(path)["members"]}
     assert "mypkg/late.py" in rels
 
     result, facts = replay(
@@ -310,7 +311,7 @@ def test_file_granularity_misses_a_late_submodule(
 ):
     lib, script, env = late_setup
     path = record_into(tmp_path, "file", script, env, granularity="file")
-    manifest = bundle.read_manifest(path)
+    manifest = read_manifest(path)
     assert manifest["recorded"]["granularity"] == "file"
     rels = {m["rel"] for m in manifest["members"]}
     assert "mypkg/early.py" in rels and "mypkg/late.py" not in rels, rels

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from crafttools import craft
-from mpistage.runtime import format as fmt
+from mpistage.runtime import bundlefile
+from mpistage.runtime.read import read_manifest
 from stagetools import (
     MPIEXEC,
     PYTHON,
@@ -129,7 +130,7 @@ def test_root_destination_must_stay_inside(tmp_path, stage_env, stage_dir, dest)
 BROKEN_MANIFESTS = {
     "not json": b"{not json",
     "not an object": b"[1, 2]",
-    "no members": json.dumps({"python": fmt.python_tag(), "roots": []}).encode(),
+    "no members": json.dumps({"python": bundlefile.python_tag(), "roots": []}).encode(),
     "root out of range": None,
     "unknown member type": None,
     "member without a path": None,
@@ -366,9 +367,7 @@ def test_auto_saves_when_the_program_finalizes_mpi(tmp_path, stage_env, tiny):
     result, status = mpirun_status(2, args, env)
     assert result.returncode == 0 and status == {0: 0, 1: 0}, result
     (saved,) = cache.glob("*.mpistage")
-    assert "tinypkg/__init__.py" in {
-        m["rel"] for m in fmt.read_manifest(saved)["members"]
-    }
+    assert "tinypkg/__init__.py" in {m["rel"] for m in read_manifest(saved)["members"]}
 
 
 @pytest.mark.parametrize("state", ["gone", "zombie"])

@@ -94,7 +94,7 @@ def outside(tmp_path):
 def deep_cleanup(tmp_path):
     """Remove this test's files with a loop: pytest's own removal recurses."""
     yield
-    from mpistage.runtime.removal import remove_entry
+    from mpistage.runtime.cleanup import remove_entry
 
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -396,11 +396,19 @@ def slow_bundle(tmp_path_factory):
     return craft(folder / "slow.mpistage", members)
 
 
+def owner_text(root):
+    """The owner record of *root* so far ("" while it is not there)."""
+    try:
+        return (root / ".mpistage-owner").read_text()
+    except OSError:
+        return ""
+
+
 def wait_for_owner(stage_dir, count, timeout=QUICK):
     """Wait until *count* staging roots have their owner record; return them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in job_dirs(stage_dir) if (p / ".mpistage-owner").exists()]
+        found = [p for p in job_dirs(stage_dir) if "pid=" in owner_text(p)]
         if len(found) >= count:
             return found
         time.sleep(0.002)

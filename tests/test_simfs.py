@@ -7,6 +7,7 @@ with ``getattr``, so resolving ``a/b.txt`` costs one getattr per component and
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -271,48 +272,52 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "not a simfs mount" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("0.5ms", 0.0005),
-        ("500us", 0.0005),
-        ("0.001s", 0.001),
-        ("0", 0.0),
-        ("2", 2.0),
-        ("1e-3", 0.001),
-        ("250 µs", 0.00025),
-    ],
-)
-def test_parse_latency(text, seconds):
-    assert simfs.parse_latency(text) == pytest.approx(seconds)
+def pretend_fuse(monkeypatch, missing):
+    """Make every piece simfs needs look present here, except *missing*."""
+    import importlib.util
+
+    from mpistage.bench.simfs import common
+
+    exists, find_spec = os.path.exists, importlib.util.find_spec
+    monkeypatch.setattr(
+        common.os.path,
+        "exists",
+        lambda p: missing != "/dev/fuse" if p == "/dev/fuse" else exists(p),
+    )
+    monkeypatch.setattr(
+        common.shutil,
+        "which",
+        lambda name: None if name == missing else f"/usr/bin/{name}",
+    )
+    monkeypatch.setattr(
+        common,
+        "find_library",
+        lambda name: None if missing == "libfuse3" else f"lib{name}.so.3",
+    )
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == missing else find_spec(name, *a),
+    )
 
 
 @pytest.mark.parametrize(
-    ("text", "rate"),
+    ("missing", "reason"),
     [
-        ("100MB/s", 100e6),
-        ("1GiB/s", 2**30),
-        ("1.5kB/s", 1500),
-        ("4096", 4096),
-        ("2G", 2e9),
-        ("0", None),
-        ("none", None),
-        ("unlimited", None),
+        (None, None),
+        ("/dev/fuse", "FUSE not available: /dev/fuse missing (load the fuse module"),
+        ("fusermount3", "fusermount3 not found: install with `apt-get install fuse3`"),
+        ("libfuse3", "libfuse3 not found: install with `apt-get install fuse3"),
+        ("mfusepy", "mfusepy not installed: pip install 'mpistage[bench]'"),
     ],
 )
-def test_parse_bandwidth(text, rate):
-    assert simfs.parse_bandwidth(text) == rate
-
-
-@pytest.mark.parametrize("text", ["fast", "1 parsec", "ms", "-1ms", ""])
-def test_parse_errors(text):
-    with pytest.raises(ValueError, match="invalid latency"):
-        simfs.parse_latency(text)
-
-
-def test_fuse_available_reason_is_one_line():
-    reason = simfs.fuse_available()
-    assert reason is None or "\n" not in reason
+def test_fuse_available_names_what_is_missing_in_one_line(monkeypatch, missing, reason):
+    pretend_fuse(monkeypatch, missing)
+    found = simfs.fuse_available()
+    if reason is None:
+        assert found is None
+    else:
+        assert found.startswith(reason) and "\n" not in found
 
 
 @requires_fuse

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from mpistage import StageError
+from mpistage.runtime import cleanup
 from mpistage.runtime import place as stage
-from mpistage.runtime import removal
 from mpistage.runtime.extract import Footprint
 from stagetools import EMIT, job_dirs, mpirun_status, mpistage, results, uid_dir
 
@@ -209,7 +209,7 @@ def test_default_candidate_is_dev_shm(monkeypatch):
         assert path.startswith(f"/dev/shm/mpistage-{os.getuid()}/job-pytest-")
         assert mode(path) == 0o700
     finally:
-        removal.remove(root)
+        cleanup.remove(root)
         if not existed:
             uid_dir("/dev/shm").rmdir()
     assert not os.path.exists(path)

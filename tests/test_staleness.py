@@ -10,6 +10,7 @@ their ``RECORD`` and directories.
 
 import os
 import shutil
+import sysconfig
 
 import pytest
 
@@ -185,3 +186,232 @@ def test_bad_validate_mode(tmp_path, stage_env, option):
     assert result.stderr.startswith("mpistage: error: --validate"), result
     assert len(result.errors()) == 1
     assert "ran" not in result.stdout
+
+
+# -- what the default check catches -------------------------------------------------
+
+
+def owned_site(site):
+    """A site with ``sixish.py``, a single-file module a distribution owns."""
+    site.mkdir()
+    (site / "sixish.py").write_text("WHO = 'original'\n")
+    info = site / "sixish-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sixish\nVersion: 1.0\n"
+    )
+    rows = ["sixish.py,,", f"{info.name}/METADATA,,", f"{info.name}/RECORD,,"]
+    (info / "RECORD").write_text("\n".join(rows) + "\n")
+    return site
+
+
+def rename_replace(path, text, keep_stat=True):
+    """Replace *path* as ``sed -i`` does: a new file renamed over it.
+
+    With *keep_stat*, the new file has the old size and mtime: only its
+    inode tells.
+    """
+    st = path.stat()
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(text)
+    if keep_stat:
+        assert tmp.stat().st_size == st.st_size
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(tmp, path)
+
+
+SIX_APP = "import sixish\nemit(sixish.WHO)\n"
+
+
+@pytest.fixture
+def six(tmp_path, stage_env):
+    site = owned_site(tmp_path / "site")
+    env = dict(stage_env, PYTHONPATH=str(site))
+    bundle = tmp_path / "six.mpistage"
+    assert mpistage(["pack", "-o", bundle, "sixish"], env).returncode == 0
+    script = write_target(tmp_path / "app.py", SIX_APP)
+    return {"site": site, "env": env, "bundle": bundle, "script": script}
+
+
+def run_six(six):
+    args = ["-m", "mpistage", "--bundle", six["bundle"], six["script"]]
+    return mpirun_status(RANKS, args, dict(six["env"], MPISTAGE_EMULATE_NODES="2"))
+
+
+def test_a_top_level_module_replaced_by_rename_is_stale(six):
+    result, status = run_six(six)
+    assert result.returncode == 0, result
+    rename_replace(six["site"] / "sixish.py", "WHO = 'replaced'\n")
+    expect_stale(*run_six(six), six["site"] / "sixish.py")
+
+
+def test_a_pth_added_to_a_bundled_root_is_stale(six):
+    (six["site"] / "extra.pth").write_text("/nonexistent-dir\n")
+    expect_stale(*run_six(six), six["site"] / "extra.pth")
+
+
+def test_a_replaced_root_is_stale(setup):
+    site = setup["site"]  # the user's own tree: no distribution owns it
+    result, status = run_bundle(setup)
+    assert result.returncode == 0, result
+    os.rename(site, site.with_name("site.old"))
+    shutil.copytree(site.with_name("site.old"), site)  # same names, sizes, mtimes
+    expect_stale(*run_bundle(setup), site)
+
+
+# -- the staleness table of docs/usage.md, cell by cell ------------------------------
+
+EXT = sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def table_setup(tmp_path, monkeypatch):
+    """Pack an installed distribution (a package, a module) and the user's tree.
+
+    Returns the site, the user's tree and the manifest.
+    """
+    import mpistage
+
+    site, own = tmp_path / "site", tmp_path / "own"
+    (site / "tabpkg").mkdir(parents=True)
+    own.mkdir()
+    (site / "tabpkg" / "__init__.py").write_text("A = 1\n")
+    (site / "tabpkg" / "mod.py").write_text("B = 2\n")
+    (site / "tabpkg" / "table.dat").write_text("1 2 3\n")
+    (site / "tabpkg" / f"_native{EXT}").write_bytes(b"\x7fELF not really")
+    (site / "tabmod.py").write_text("C = 3\n")
+    info = site / "tabpkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tabpkg\nVersion: 1\n")
+    rows = [f"{p.relative_to(site)},," for p in sorted(site.rglob("*")) if p.is_file()]
+    (info / "RECORD").write_text("\n".join([*rows, f"{info.name}/RECORD,,"]) + "\n")
+    (own / "mine.py").write_text("D = 4\n")
+    monkeypatch.syspath_prepend(str(site))
+    out = str(tmp_path / "t.mpistage")
+    manifest = mpistage.pack(out, ["tabpkg", "tabmod"], paths=[str(own)])
+    return site, own, manifest
+
+
+def in_place(path, text=None, keep_stat=False):
+    """Edit *path* in place (same inode); a new mtime unless *keep_stat*."""
+    st = path.stat()
+    data = path.read_bytes()
+    new = text.encode() if text is not None else bytes(reversed(data))
+    with open(path, "r+b") as f:
+        f.write(new)
+    if keep_stat:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    else:
+        later(path)
+
+
+def upgrade(site, own):
+    rename_replace(site / "tabpkg" / "mod.py", "B = 22\n", keep_stat=False)
+    record = site / "tabpkg-1.0.dist-info" / "RECORD"
+    rename_replace(record, record.read_text() + "\n", keep_stat=False)
+
+
+def uninstall(site, own):
+    shutil.rmtree(site / "tabpkg")
+    shutil.rmtree(site / "tabpkg-1.0.dist-info")
+    (site / "tabmod.py").unlink()
+
+
+def install(site, own):
+    (site / "newdist").mkdir()
+    (site / "newdist" / "__init__.py").write_text("")
+    (site / "newdist-1.0.dist-info").mkdir()
+
+
+def replace_root(site, own):
+    os.rename(site, site.with_name("site.old"))
+    shutil.copytree(site.with_name("site.old"), site)  # same names, sizes, mtimes
+
+
+# change: (what it does, found: a name now found where it is, per mode: stale?)
+TABLE = {
+    "install another distribution": (install, "newdist", "----"),
+    "upgrade": (upgrade, None, "SSS-"),
+    "uninstall": (uninstall, None, "SSS-"),
+    "add a module beside the bundled ones": (
+        lambda s, o: (s / "newmod.py").write_text(""),
+        "newmod",
+        "----",
+    ),
+    "add a module in a bundled package": (
+        lambda s, o: (s / "tabpkg" / "extra.py").write_text(""),
+        None,
+        "SSS-",
+    ),
+    "remove a module": (lambda s, o: (s / "tabpkg" / "mod.py").unlink(), None, "SSS-"),
+    "rename-replace in a package": (
+        lambda s, o: rename_replace(s / "tabpkg" / "mod.py", "B = 9\n"),
+        None,
+        "SSS-",
+    ),
+    "rename-replace a top-level module": (
+        lambda s, o: rename_replace(s / "tabmod.py", "C = 9\n"),
+        None,
+        "SSS-",
+    ),
+    "in-place edit, new mtime, installed": (
+        lambda s, o: in_place(s / "tabpkg" / "mod.py", "B = 9\n"),
+        None,
+        "-SS-",
+    ),
+    "in-place edit, new mtime, own code": (
+        lambda s, o: in_place(o / "mine.py", "D = 9\n"),
+        None,
+        "SSS-",
+    ),
+    "in-place edit, same size and mtime": (
+        lambda s, o: in_place(s / "tabpkg" / "mod.py", "B = 9\n", keep_stat=True),
+        None,
+        "--S-",
+    ),
+    "in-place edit, same size and mtime, own code": (
+        lambda s, o: in_place(o / "mine.py", "D = 9\n", keep_stat=True),
+        None,
+        "--S-",
+    ),
+    ".so replaced by rename": (
+        lambda s, o: rename_replace(s / "tabpkg" / f"_native{EXT}", "x" * 16, False),
+        None,
+        "SSS-",
+    ),
+    ".so overwritten in place": (
+        lambda s, o: in_place(s / "tabpkg" / f"_native{EXT}"),
+        None,
+        "-SS-",
+    ),
+    "data edited in place": (
+        lambda s, o: in_place(s / "tabpkg" / "table.dat", "3 2 1\n"),
+        None,
+        "-SS-",
+    ),
+    ".pth added": (lambda s, o: (s / "new.pth").write_text("/x\n"), None, "SSS-"),
+    "a bundled root replaced": (replace_root, None, "SSS-"),
+    "shadowing module in another root": (
+        lambda s, o: (o / "tabmod.py").write_text(""),
+        "tabmod",
+        "----",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", sorted(TABLE))
+def test_staleness_table(tmp_path, monkeypatch, change):
+    import copy
+
+    from mpistage.runtime.roots import module_names
+    from mpistage.runtime.validate import MODES, changed
+
+    site, own, manifest = table_setup(tmp_path, monkeypatch)
+    act, found, expected = TABLE[change]
+    act(site, own)
+    for mode, cell in zip(MODES, expected, strict=True):
+        checked = copy.deepcopy(manifest)
+        stale = changed(checked, mode)
+        assert bool(stale) == (cell == "S"), (mode, stale)
+        if found and mode != "trust":  # the fresh listing names it
+            names = set().union(*(module_names(r["listing"]) for r in checked["roots"]))
+            assert found in names, mode

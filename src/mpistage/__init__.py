@@ -22,6 +22,19 @@ import sys as _sys
 __version__ = "0.2.0"
 __all__ = ["StageError", "__version__", "data", "inspect", "pack", "staged"]
 
+# The ``mpistage`` commands that are tools, and the module of each; every
+# other word is the runner (a script), but ``stage``, which runs in every
+# rank (:mod:`mpistage.runtime.stager`).
+TOOLS = {
+    "pack": "mpistage.cli.pack",
+    "record": "mpistage.cli.record",
+    "inspect": "mpistage.cli.inspect",
+    "clean": "mpistage.cli.clean",
+    "run": "mpistage.cli.run",
+    "bench": "mpistage.bench.cli",
+}
+COMMANDS = ("stage", *TOOLS)
+
 
 class StageError(Exception):
     """The one error class of mpistage: bad input, refused places, failed steps.
@@ -76,6 +89,8 @@ def __getattr__(name):
 
 RUNTIME = "mpistage.runtime"
 RANK0_STDLIB = ("json", ("__init__", "decoder", "scanner", "encoder"))
+_OWN = {}  # mpistage's private copies of standard library modules
+_STDLIB_CODES = {}  # rank 0's preloaded code of RANK0_STDLIB
 
 
 def load_runtime(comm):
@@ -85,33 +100,33 @@ def load_runtime(comm):
     relative to an open directory) and broadcasts it; the other ranks import
     it from memory and never touch the file system for it. Rank 0 also reads
     the standard library modules only it needs before activation (``json``,
-    for the manifest) the same way, for itself. Calling it again does nothing.
+    for the manifest) the same way, for :func:`own_module`. Calling it again
+    does nothing.
     """
     import os
 
     if not preload(comm, RUNTIME):
         return
-    if comm.rank == 0 and RANK0_STDLIB[0] not in _sys.modules:
+    if comm.rank == 0 and RANK0_STDLIB[0] not in _OWN:
         folder = os.path.join(os.path.dirname(os.__file__), RANK0_STDLIB[0])
-        only = RANK0_STDLIB[1]
-        _sys.meta_path.insert(0, _Preloaded(_read_package(folder, "json", only)))
+        _STDLIB_CODES.update(_read_package(folder, *RANK0_STDLIB))
 
 
-def preload(comm, package):
+def preload(comm, package, only=None):
     """Make the modules of *package* (mpistage's own) importable by broadcast.
 
-    Collective: rank 0 reads them and sends their code; the other ranks
-    import them from memory. Returns ``False`` if *package* was preloaded
-    already (nothing done).
+    Collective: rank 0 reads them (*only* these module stems, if given) and
+    sends their code; the other ranks import them from memory. Returns
+    ``False`` if they were preloaded already (nothing done).
     """
     import os
 
-    if package in _PRELOADED:
+    if (package, only) in _PRELOADED:
         return False
     codes, folder = {}, os.path.join(__path__[0], *package.split(".")[1:])
     if comm.rank == 0:
         try:
-            codes = _read_package(folder, package)
+            codes = _read_package(folder, package, only)
         except (OSError, SyntaxError, ValueError) as exc:
             codes = f"cannot read {package}: {exc}"  # told to every rank
     codes = comm.bcast(codes, root=0)
@@ -120,19 +135,85 @@ def preload(comm, package):
     if package in _sys.modules:
         codes.pop(package, None)  # imported already (mpistage.data itself)
     _sys.meta_path.insert(0, _Preloaded(codes))
-    _PRELOADED.add(package)
+    _PRELOADED.add((package, only))
     return True
 
 
 _PRELOADED = set()
 
 
+def own_module(name):
+    """Return the standard library module *name* for mpistage's own use.
+
+    The program must see the modules plain python would give it, on every
+    rank; so what mpistage imports for its own work (rank 0's ``json`` and
+    ``_hashlib``) leaves no trace in ``sys.modules``: the module is imported
+    from the standard library alone (a ``json.py`` beside the script is not
+    it), kept here, and every entry the import added to ``sys.modules`` is
+    taken out again, and any the program had is put back. Code that looks
+    its own package up by name while it runs (``_json`` does, to raise an
+    error) runs inside :func:`lend`.
+    """
+    if name not in _OWN:
+        _OWN[name] = _import_aside(name)
+    return _OWN[name][name]
+
+
+def lend(name):
+    """A context in which ``sys.modules`` holds mpistage's own *name* and its parts."""
+    own_module(name)
+    return _Lent(_OWN[name])
+
+
+class _Lent:
+    """Puts some ``sys.modules`` entries in place for a while, then back."""
+
+    def __init__(self, entries):
+        self.entries, self.saved = entries, {}
+
+    def __enter__(self):
+        self.saved = {k: _sys.modules.get(k) for k in self.entries}
+        _sys.modules.update(self.entries)
+
+    def __exit__(self, *exc):
+        for key, module in self.saved.items():
+            if module is None:
+                _sys.modules.pop(key, None)
+            else:
+                _sys.modules[key] = module
+
+
+def _import_aside(name):
+    """Import *name* from the standard library; return the entries it added.
+
+    ``sys.modules`` is left as it was.
+    """
+    import os
+
+    modules, path = dict(_sys.modules), _sys.path[:]
+    for key in [k for k in modules if k == name or k.startswith(name + ".")]:
+        del _sys.modules[key]
+    dynload = [p for p in path if p.endswith("lib-dynload")]
+    _sys.path[:] = [os.path.dirname(os.__file__), *dynload]
+    finder = _Preloaded(_STDLIB_CODES)
+    _sys.meta_path.insert(0, finder)
+    try:
+        __import__(name)
+        return {k: m for k, m in _sys.modules.items() if modules.get(k) is not m}
+    finally:
+        _sys.meta_path.remove(finder)
+        _sys.path[:] = path
+        for key in [k for k in _sys.modules if k not in modules]:
+            del _sys.modules[key]
+        _sys.modules.update(modules)
+
+
 def _read_package(folder, package, only=None):
     """Return ``{name: (origin, is package, marshalled code)}`` of *folder*'s modules.
 
-    *only* names the module stems to read (default: every ``.py`` file).
-    Each file is reached relative to descriptors of *folder* and its
-    ``__pycache__``: about six metadata operations a module.
+    *only* names the module stems to read (default: every ``.py`` file, from
+    one listing). Each file is reached relative to descriptors of *folder*
+    and its ``__pycache__``: about six metadata operations a module.
     """
     import os
 
@@ -140,14 +221,14 @@ def _read_package(folder, package, only=None):
     try:
         cache = _open_cache(fd)
         codes = {}
-        for entry in sorted(os.listdir(fd)):
+        names = [f"{stem}.py" for stem in only] if only else sorted(os.listdir(fd))
+        for entry in names:
             stem, dot, suffix = entry.partition(".")
             if dot and suffix == "py" and stem.isidentifier():
-                if only is None or stem in only:
-                    name = package if stem == "__init__" else f"{package}.{stem}"
-                    origin = os.path.join(folder, entry)
-                    code = _code(fd, cache, entry, origin)
-                    codes[name] = (origin, stem == "__init__", code)
+                name = package if stem == "__init__" else f"{package}.{stem}"
+                origin = os.path.join(folder, entry)
+                code = _code(fd, cache, entry, origin)
+                codes[name] = (origin, stem == "__init__", code)
         return codes
     finally:
         os.close(fd)

@@ -13,14 +13,14 @@ runtime package from rank 0 (:func:`mpistage.load_runtime`), restores
 import os as _os
 import sys as _sys
 
-TOOLS = ("pack", "record", "inspect", "clean", "run", "bench")
+from mpistage import TOOLS
 
 
 def main(argv=None):
     """Dispatch *argv* (default ``sys.argv[1:]``): a tool, the stager or the runner."""
     argv = list(_sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"], ["--version"]):
-        from mpistage.runtime.launch import parse
+        from mpistage.runtime.runner import parse
 
         parse(argv)  # prints and exits, without starting MPI
     if argv and argv[0] in TOOLS:
@@ -39,7 +39,7 @@ def main(argv=None):
 
             argv = argv[1:]
         else:
-            from mpistage.runtime.launch import main as entry
+            from mpistage.runtime.runner import main as entry
         status = entry(world, argv)
     except (SystemExit, KeyboardInterrupt):
         raise

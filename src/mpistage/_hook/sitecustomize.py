@@ -21,7 +21,7 @@ def _start():
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     folder = os.environ.get("MPISTAGE_RECORD_DIR")
     if folder:
-        from mpistage.bundle.record import start_child
+        from mpistage.runtime.auto import start_child
 
         start_child(folder)
     plan = os.environ.get("MPISTAGE_CHILD")

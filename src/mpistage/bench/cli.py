@@ -9,32 +9,28 @@ reads of a shared data file, ``model`` predicts start-up at scale.
 import os
 import sys as _sys
 
-VERBS = ("simfs", "unmount", "stats", "generate", "run", "data", "model")
+# Each verb is the function ``cli_VERB(argv)`` of its module, loaded on use.
+VERBS = {
+    "simfs": "mpistage.bench.simfs",
+    "unmount": "mpistage.bench.simfs",
+    "stats": "mpistage.bench.simfs",
+    "generate": "mpistage.bench.generate",
+    "run": "mpistage.bench.cli",
+    "data": "mpistage.bench.data",
+    "model": "mpistage.bench.model.cli",
+}
 
 
 def main(argv):
     """Dispatch ``mpistage bench VERB ...``; return the exit status."""
+    import importlib
+
     if not argv or argv[0] not in VERBS:
         print(f"usage: mpistage bench {{{','.join(VERBS)}}} ...", file=_sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 1
     verb, rest = argv[0], argv[1:]
-    if verb == "run":
-        return cli_run(rest)
-    if verb == "generate":
-        from mpistage.bench.generate import cli_generate
-
-        return cli_generate(rest)
-    if verb in ("data", "model"):
-        import importlib
-
-        return importlib.import_module(f"mpistage.bench.{verb}").cli(rest)
-    from mpistage.bench import simfs
-
-    return {
-        "simfs": simfs.cli_simfs,
-        "unmount": simfs.cli_unmount,
-        "stats": simfs.cli_stats,
-    }[verb](rest)
+    module = importlib.import_module(VERBS[verb])
+    return getattr(module, f"cli_{verb}")(rest)
 
 
 def run_parser():
@@ -63,7 +59,8 @@ def run_parser():
         "--workload",
         action="append",
         default=[],
-        help="numpy, generated (default: numpy; with --layout packages, both)",
+        help="numpy, scipy, pandas, generated (default: numpy; with --layout "
+        "packages, numpy and generated); repeat it for several",
     )
     p.add_argument("--code", help="custom workload: code every rank runs")
     p.add_argument(
@@ -116,8 +113,9 @@ def cli_run(argv):
     """Run ``mpistage bench run``; print the table, write the files."""
     from mpistage import StageError
     from mpistage.bench import results
-    from mpistage.bench.run import run_workload
-    from mpistage.bench.simfs import fuse_available, parse_latency
+    from mpistage.bench.simfs import fuse_available
+    from mpistage.bench.sweep import run_workload
+    from mpistage.bench.units import parse_counts, parse_time
 
     args = run_parser().parse_args(argv)
     reason = fuse_available()
@@ -130,11 +128,11 @@ def cli_run(argv):
             workload,
             layout=args.layout,
             via=args.via,
-            ranks=parse_ranks(args.ranks),
+            ranks=parse_counts(args.ranks, "--ranks"),
             nodes=args.nodes,
             modes=modes,
             repeat=args.repeat,
-            latency=parse_latency(args.latency),
+            latency=parse_time(args.latency, "--latency"),
             cache=args.cache,
             extra_env=parse_env(args.set_env),
         )
@@ -180,21 +178,6 @@ def parse_env(pairs):
             raise StageError(f"--set-env {pair!r}: give KEY=VALUE")
         env[key] = value
     return env
-
-
-def parse_ranks(text):
-    """Parse ``1,4,16`` into a list of positive rank counts."""
-    from mpistage import StageError
-
-    try:
-        ranks = [int(x) for x in text.split(",")]
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 1:
-        raise StageError(
-            f"--ranks {text!r} must be positive whole numbers, e.g. 1,4,16"
-        )
-    return ranks
 
 
 DEFAULT_MODES = {

@@ -28,6 +28,14 @@ import json as _json
 import os as _os
 import sys as _sys
 
+from mpistage.bench.testbed import Testbed, progress
+from mpistage.bench.units import MB, MIB
+
+MEMORY_SHARE = 0.8  # of a node's memory the largest cell may hold
+CELL_TIMEOUT = 900  # seconds: a cell that takes longer is stuck
+NPY_CHUNK = 64 * MIB  # bytes make_npy writes at a time
+KIB_PER_MIB = 1024  # /proc counts Pss in KiB
+
 DRIVER = r"""
 import json, os, sys, time
 from mpi4py import MPI
@@ -46,7 +54,10 @@ def barrier():  # sleeps: waiting ranks leave the cores to the working ones
         time.sleep(0.0005)
 
 node = comm.rank * cfg["nodes"] // comm.size  # as MPISTAGE_EMULATE_NODES splits
-path = cfg["paths"][node]
+# Every rank names the file alike (mpistage.data checks that the ranks agree):
+# relative to its node's view, a local link into the node's own mount.
+os.chdir(os.path.dirname(cfg["paths"][node]))
+path = os.path.basename(cfg["paths"][node])
 if cfg["mode"] == "mpistage":
     from mpistage import data
 before = pss_kib()
@@ -56,7 +67,7 @@ if cfg["mode"] == "plain":
     array, steps = np.load(path), {}
 else:
     shared = data.load(path, comm=comm, readers=cfg["readers"], io=cfg["io"])
-    array, steps = shared.array, shared.seconds
+    array, steps = shared, shared.seconds
 seconds = time.perf_counter() - start
 total = float(array.sum(dtype=np.float64))  # reads every page of the copy
 barrier()
@@ -85,6 +96,8 @@ COLUMNS = (
     "node_pss_mib",
     "node_array_mib",
 )
+CELL = COLUMNS[:5]  # what names a cell
+FIGURES = COLUMNS[5:]  # what a cell measures
 
 
 def parser():
@@ -118,16 +131,16 @@ def parser():
     return p
 
 
-def cli(argv):
+def cli_data(argv):
     """Run ``mpistage bench data``; print the tables, write data.json."""
     args = parser().parse_args(argv)
-    plan = Plan(args)
-    bench = Bench(args)
+    plan = DataPlan(args)
+    testbed = DataTestbed(args)
     try:
-        compared = bench.compare(plan)
-        readers = bench.readers(plan)
+        compared = testbed.compare(plan)
+        readers = testbed.readers(plan)
     finally:
-        bench.close()
+        testbed.close()
     write(argv, args, plan, compared, readers)
     print(table(compared, "plain numpy.load vs mpistage.data.load"))
     print()
@@ -136,16 +149,16 @@ def cli(argv):
     return 0
 
 
-class Plan:
+class DataPlan:
     """What to run, parsed and checked against this machine's memory."""
 
     def __init__(self, args):
-        from mpistage.bench.model import parse_size
+        from mpistage.bench.units import parse_counts, parse_size
 
-        self.size = int(parse_size(args.size))
-        self.big = int(parse_size(args.big)) if args.big else self.size
-        self.ranks = numbers(args.ranks, "--ranks")
-        self.readers = numbers(args.readers, "--readers")
+        self.size = int(parse_size(args.size, "--size"))
+        self.big = int(parse_size(args.big, "--big")) if args.big else self.size
+        self.ranks = parse_counts(args.ranks, "--ranks")
+        self.readers = parse_counts(args.readers, "--readers")
         self.io = [m for m in args.io.split(",") if m]
         self.nodes, self.repeat = args.nodes, max(1, args.repeat)
         self.check()
@@ -161,40 +174,19 @@ class Plan:
             raise StageError(f"--nodes {self.nodes!r} must be 1 or more")
         room, what = node_room()
         need = max(max(self.ranks) * self.size, self.nodes * self.big)
-        if room is not None and need > 0.8 * room:
+        if room is not None and need > MEMORY_SHARE * room:
             raise StageError(
-                f"the largest cell holds {need} bytes at once, more than 80% of "
+                f"the largest cell holds {need} bytes at once, more than "
+                f"{MEMORY_SHARE:.0%} of "
                 f"the {room} bytes of {what}: use a smaller --size or --big"
             )
 
 
-def numbers(text, flag):
-    """Parse ``1,4,16`` into positive whole numbers."""
-    from mpistage import StageError
-
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise StageError(f"{flag} {text!r} must be positive whole numbers, e.g. 1,4")
-    return values
-
-
-class Bench:
-    """The data files, the simfs mount and the launcher one run shares."""
+class DataTestbed(Testbed):
+    """The data files, a simfs mount per node, and the cells that load them."""
 
     def __init__(self, args):
-        import shutil
-        import tempfile
-
-        self.work = tempfile.mkdtemp(prefix="mpistage-bench-data-")
-        self.source = _os.path.join(self.work, "shared")
-        self.mount = _os.path.join(self.work, "mnt")
-        _os.makedirs(self.source)
-        _os.makedirs(self.mount)
-        mpiexec = _os.path.join(_os.path.dirname(_sys.executable), "mpiexec")
-        self.mpiexec = mpiexec if _os.path.exists(mpiexec) else shutil.which("mpiexec")
+        super().__init__("mpistage-bench-data-")
         self.result = _os.path.join(self.work, "result.json")
         self.nodes = args.nodes
         self.fs, self.files = [], {}
@@ -207,12 +199,26 @@ class Bench:
         """Return the path of a .npy of *size* bytes as each node sees it."""
         name = f"array-{size}.npy"
         if size not in self.files:
-            progress(f"writing {name} ({size / 2**20:.0f} MiB)")
+            progress(f"writing {name} ({size / MIB:.0f} MiB)")
             make_npy(_os.path.join(self.source, name), size)
             self.files[size] = name
         if not self.fs:
             return [_os.path.join(self.source, name)] * self.nodes
-        return [_os.path.join(fs.mountpoint, name) for fs in self.fs]
+        return [self.view(node, fs.mountpoint, name) for node, fs in enumerate(self.fs)]
+
+    def view(self, node, mountpoint, name):
+        """Return a local link to *name* through *node*'s own mount.
+
+        Every rank then names the file alike (``name``, relative to its
+        node's view, a local directory): changing into it costs the shared
+        FS nothing, and only the readers open the file through the link.
+        """
+        folder = _os.path.join(self.work, f"view{node}")
+        _os.makedirs(folder, exist_ok=True)
+        link = _os.path.join(folder, name)
+        if not _os.path.islink(link):
+            _os.symlink(_os.path.join(mountpoint, name), link)
+        return link
 
     def reset(self):
         """Empty the nodes' client caches, then zero the counters of every mount.
@@ -265,7 +271,9 @@ class Bench:
                 rows.append(self.run_cell(cell, nodes, size))
         if len({row["checksum"] for row in rows}) != 1:
             raise RuntimeError(f"cells saw different arrays: {rows!r}")
-        return medians(rows)
+        from mpistage.bench.rows import medians
+
+        return medians(rows, CELL, FIGURES)
 
     def run_cell(self, cell, nodes, size):
         """Launch one cell; return its measurements."""
@@ -284,7 +292,7 @@ class Bench:
             env=env,
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=CELL_TIMEOUT,
         )
         if done.returncode:
             raise RuntimeError(f"cell {cell!r} failed:\n{done.stderr}")
@@ -298,27 +306,22 @@ class Bench:
 
     def close(self):
         """Unmount simfs and remove the files."""
-        import shutil
-
         for fs in self.fs:
             fs.unmount()
-        shutil.rmtree(self.work, ignore_errors=True)
+        super().close()
 
 
 def mount(args, source, mountpoint):
     """Mount simfs over *source*; return the :class:`SimFS`."""
     from mpistage import StageError
-    from mpistage.bench.simfs import (
-        SimFS,
-        fuse_available,
-        parse_bandwidth,
-        parse_latency,
-    )
+    from mpistage.bench.simfs import SimFS, fuse_available
+    from mpistage.bench.units import parse_bandwidth, parse_time
 
     reason = fuse_available()
     if reason:
         raise StageError(f"{reason} (or use --local)")
-    latency, bandwidth = parse_latency(args.latency), parse_bandwidth(args.bandwidth)
+    latency = parse_time(args.latency, "--latency")
+    bandwidth = parse_bandwidth(args.bandwidth, "--bandwidth")
     return SimFS(source, mountpoint, latency=latency, bandwidth=bandwidth).mount()
 
 
@@ -332,12 +335,13 @@ def drop_cache(path):
 
 
 def make_npy(path, size):
-    """Write a float64 .npy of about *size* bytes, 64 MiB at a time."""
+    """Write a float64 .npy of about *size* bytes, :data:`NPY_CHUNK` at a time."""
     import numpy
 
-    count = max(1, size // 8)
+    itemsize = numpy.dtype(numpy.float64).itemsize
+    count = max(1, size // itemsize)
     array = numpy.lib.format.open_memmap(path, "w+", numpy.float64, (count,))
-    step = 8 << 20
+    step = NPY_CHUNK // itemsize
     for start in range(0, count, step):
         stop = min(count, start + step)
         array[start:stop] = numpy.arange(start, stop, dtype=numpy.float64)
@@ -345,14 +349,14 @@ def make_npy(path, size):
     del array
 
 
-def measure(bench, cell, nodes, size):
+def measure(testbed, cell, nodes, size):
     """Turn one cell's driver output and simfs counters into a row."""
-    with open(bench.result) as f:
+    with open(testbed.result) as f:
         ranks = _json.load(f)
     sums = {r["total"] for r in ranks}
     if len(sums) != 1:
         raise RuntimeError(f"ranks saw different arrays: {sorted(sums)}")
-    stats = bench.stats()
+    stats = testbed.stats()
     cell = {k: v for k, v in cell.items() if k != "paths"}
     return dict(
         cell,
@@ -369,12 +373,13 @@ def measure(bench, cell, nodes, size):
 
 def fs_counts(stats, pids):
     """Return the shared FS's bytes, ops, metadata ops and client ranks."""
-    ops = stats.get("ops", {})
+    from mpistage.bench.simfs import meta_ops, read_ops
+
     per_pid = stats.get("per_pid", {})
     return {
         "fs_bytes": stats.get("bytes", 0),
-        "fs_ops": sum(ops.values()),
-        "fs_meta_ops": sum(ops.values()) - ops.get("read", 0),
+        "fs_ops": meta_ops(stats) + read_ops(stats),
+        "fs_meta_ops": meta_ops(stats),
         "fs_processes": sum(1 for pid in per_pid if int(pid) in pids),
     }
 
@@ -387,24 +392,10 @@ def node_memory(ranks, nodes):
         node = r["rank"] * nodes // size  # MPISTAGE_EMULATE_NODES: contiguous blocks
         pss[node] += r["after"]
         gained[node] += r["after"] - r["before"]
-    return {"node_pss_mib": max(pss) / 1024, "node_array_mib": max(gained) / 1024}
-
-
-def medians(rows):
-    """Return one row per cell: the median of each measurement over repeats."""
-    import statistics
-
-    key = ("mode", "io", "readers", "ranks", "nodes")
-    groups = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in key), []).append(row)
-    merged = []
-    for group in groups.values():
-        row = dict(group[0])
-        for column in COLUMNS[5:]:
-            row[column] = statistics.median(r[column] for r in group)
-        merged.append(row)
-    return merged
+    return {
+        "node_pss_mib": max(pss) / KIB_PER_MIB,
+        "node_array_mib": max(gained) / KIB_PER_MIB,
+    }
 
 
 def table(rows, title):
@@ -426,7 +417,7 @@ def table(rows, title):
         lines.append(
             f"| {r['mode']} | {r['io']} | {r['readers']} | {r['ranks']} "
             f"| {r['nodes']} | {r['seconds']:.2f} {steps}"
-            f"| {r['fs_bytes'] / 1e6:.0f} "
+            f"| {r['fs_bytes'] / MB:.0f} "
             f"| {r['fs_ops']:.0f} ({r['fs_meta_ops']:.0f}) | {r['fs_processes']:.0f} "
             f"| {r['node_pss_mib']:.0f} | {r['node_array_mib']:.0f} |"
         )
@@ -447,8 +438,3 @@ def write(argv, args, plan, compared, readers):
     }
     with open(_os.path.join(args.out, "data.json"), "w") as f:
         _json.dump({"meta": meta, "compare": compared, "readers": readers}, f, indent=1)
-
-
-def progress(line):
-    """Print one progress line to stderr."""
-    print(line, file=_sys.stderr, flush=True)

@@ -1,11 +1,11 @@
 """A small Python environment for benchmarks and tests: a venv holding
 copies of mpi4py, the MPICH wheel's files and numpy from the running one."""
 
-import glob as _glob
 import os as _os
-import shutil as _shutil
 import subprocess as _subprocess
 import sys as _sys
+
+from mpistage.bench.layout import copy, copy_mpich_libs, copy_packages, site_packages
 
 PACKAGES = ("mpi4py", "numpy")
 MPICH_BIN = (
@@ -18,26 +18,12 @@ MPICH_BIN = (
 )
 
 
-def site_packages(prefix):
-    """Return the site-packages directory of the venv at *prefix*."""
-    version = "python{}.{}".format(*_sys.version_info[:2])
-    return _os.path.join(prefix, "lib", version, "site-packages")
-
-
 def small_env(dest, packages=PACKAGES):
     """Make a venv at *dest* with copies of *packages* and the MPICH wheel."""
     _subprocess.run([base_python(), "-m", "venv", "--without-pip", dest], check=True)
-    here, there = site_packages(_sys.prefix), site_packages(dest)
-    for name in packages:
-        for entry in _glob.glob(_os.path.join(here, f"{name}*")):
-            copy(entry, _os.path.join(there, _os.path.basename(entry)))
-    for entry in _glob.glob(_os.path.join(here, "mpich-*.dist-info")):
-        copy(entry, _os.path.join(there, _os.path.basename(entry)))
-    lib = _os.path.join(_sys.prefix, "lib")
-    for entry in _glob.glob(_os.path.join(lib, "libmpi*")) + [
-        _os.path.join(lib, "mpich")
-    ]:
-        copy(entry, _os.path.join(dest, "lib", _os.path.basename(entry)))
+    names = [f"{name}*" for name in packages] + ["mpich-*.dist-info"]
+    copy_packages(site_packages(dest), names)
+    copy_mpich_libs(dest)
     for name in MPICH_BIN:
         if _os.path.exists(_os.path.join(_sys.prefix, "bin", name)):
             copy(
@@ -45,14 +31,6 @@ def small_env(dest, packages=PACKAGES):
                 _os.path.join(dest, "bin", name),
             )
     return dest
-
-
-def copy(src, dst):
-    """Copy a file, symlink or tree."""
-    if _os.path.isdir(src) and not _os.path.islink(src):
-        _shutil.copytree(src, dst, symlinks=True)
-    else:
-        _shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def base_python():
@@ -63,34 +41,34 @@ def base_python():
     return cfg.get("executable") or _sys.executable
 
 
-def env_bundle(bench):
-    """Once per bench: an environment bundle on the shared FS; its mount path.
+def env_bundle(testbed):
+    """Once per testbed: an environment bundle on the shared FS; its mount path.
 
     The realistic layout packs its own venv (base interpreter included); the
     packages layout packs a small venv of copies. Untimed.
     """
-    target = _os.path.join(bench.source, "bundles", "env.mpistage")
+    target = _os.path.join(testbed.source, "bundles", "env.mpistage")
     if not _os.path.exists(target):
         _os.makedirs(_os.path.dirname(target), exist_ok=True)
-        if bench.layout.name == "realistic":
-            prefix = bench.layout.mounted(bench.layout.venv)
+        if testbed.layout.name == "realistic":
+            prefix = testbed.layout.mounted(testbed.layout.venv)
         else:
-            prefix = small_env(_os.path.join(bench.work, "small-env"))
+            prefix = small_env(_os.path.join(testbed.work, "small-env"))
         mpistage(["pack", "--env", prefix, "-o", target])
-    return bench.layout.mounted(target)
+    return testbed.layout.mounted(target)
 
 
-def shared_env(bench):
-    """Once per bench: the environment bundle staged onto the shared FS.
+def shared_env(testbed):
+    """Once per testbed: the environment bundle staged onto the shared FS.
 
     Returns the mount path of that relocated copy (``env/``). Untimed.
     """
-    target = _os.path.join(bench.source, "env")
+    target = _os.path.join(testbed.source, "env")
     if not _os.path.exists(target):
-        env_bundle(bench)
-        bundle = _os.path.join(bench.source, "bundles", "env.mpistage")
+        env_bundle(testbed)
+        bundle = _os.path.join(testbed.source, "bundles", "env.mpistage")
         mpistage(["stage", bundle, "--to", target])
-    return bench.layout.mounted(target)
+    return testbed.layout.mounted(target)
 
 
 def mpistage(args):

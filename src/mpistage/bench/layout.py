@@ -20,6 +20,7 @@ import shutil as _shutil
 import sys as _sys
 
 VIAS = ("site", "pythonpath")
+PYTHON = "python{}.{}".format(*_sys.version_info[:2])  # bin/ and lib/ name
 STDLIB_SKIP = ("site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip")
 
 
@@ -28,9 +29,9 @@ class Layout:
 
     name = "?"
 
-    def __init__(self, bench, via="site"):
-        self.bench, self.via = bench, via
-        self.pythonpath_dir = _os.path.join(bench.source, "pythonpath")
+    def __init__(self, testbed, via="site"):
+        self.testbed, self.via = testbed, via
+        self.pythonpath_dir = _os.path.join(testbed.source, "pythonpath")
 
     def workload_dir(self):
         """The source-side directory the workload's packages go to."""
@@ -45,8 +46,8 @@ class Layout:
 
     def mounted(self, source_path):
         """Return the mount-side path of a path in the source tree."""
-        rel = _os.path.relpath(source_path, self.bench.source)
-        return _os.path.join(self.bench.mount, rel)
+        rel = _os.path.relpath(source_path, self.testbed.source)
+        return _os.path.join(self.testbed.mount, rel)
 
 
 class Packages(Layout):
@@ -58,7 +59,7 @@ class Packages(Layout):
         """``site/`` (put on ``sys.path`` by the driver), or ``pythonpath/``."""
         if self.via == "pythonpath":
             return self.pythonpath_dir
-        return self.bench.source_site
+        return self.testbed.source_site
 
     def build(self, workload):
         """Put the workload on the shared FS (untimed)."""
@@ -71,7 +72,7 @@ class Packages(Layout):
 
     def driver_site(self):
         """The root the driver puts on ``sys.path`` itself (site variant only)."""
-        return None if self.via == "pythonpath" else self.bench.shared_site
+        return None if self.via == "pythonpath" else self.testbed.shared_site
 
     def environ(self):
         """No ``PYTHONNOUSERSITE`` games: the local interpreter as it is."""
@@ -85,12 +86,11 @@ class Realistic(Layout):
 
     name = "realistic"
 
-    def __init__(self, bench, via="site"):
-        super().__init__(bench, via)
-        self.version = "python{}.{}".format(*_sys.version_info[:2])
-        self.base = _os.path.join(bench.source, "base")
-        self.venv = _os.path.join(bench.source, "venv")
-        self.site = _os.path.join(self.venv, "lib", self.version, "site-packages")
+    def __init__(self, testbed, via="site"):
+        super().__init__(testbed, via)
+        self.base = _os.path.join(testbed.source, "base")
+        self.venv = _os.path.join(testbed.source, "venv")
+        self.site = site_packages(self.venv)
 
     def workload_dir(self):
         """The venv's site-packages, or ``pythonpath/``."""
@@ -107,23 +107,28 @@ class Realistic(Layout):
 
     def build(self, workload):
         """Lay out the base interpreter and the venv, then the workload (untimed)."""
-        copy_base(self.base, self.version)
-        make_venv(self.venv, self.mounted(self.base), self.version)
+        copy_base(self.base)
+        make_venv(self.venv, self.mounted(self.base))
         copy_packages(self.site)
         install_mpistage(self.site)
         _os.makedirs(self.workload_dir(), exist_ok=True)
         workload.build(self.workload_dir())
 
 
-def copy_base(dest, version):
+def site_packages(prefix):
+    """Return the site-packages directory of the venv at *prefix*."""
+    return _os.path.join(prefix, "lib", PYTHON, "site-packages")
+
+
+def copy_base(dest):
     """Copy the base interpreter, libpython and the stdlib; relocate the binary."""
     from mpistage.bundle.envpack import base_prefix, fix_runpath, read_cfg
 
     cfg = read_cfg(_os.path.join(_sys.prefix, "pyvenv.cfg"))
     prefix = base_prefix(cfg) if cfg else _sys.base_prefix
-    binary = _os.path.join(dest, "bin", version)
+    binary = _os.path.join(dest, "bin", PYTHON)
     _os.makedirs(_os.path.dirname(binary))
-    _shutil.copy2(_os.path.realpath(_os.path.join(prefix, "bin", version)), binary)
+    _shutil.copy2(_os.path.realpath(_os.path.join(prefix, "bin", PYTHON)), binary)
     libdir = _os.path.join(prefix, "lib")
     data = fix_runpath(
         binary, lambda d: "lib" if d.rstrip("/") == libdir else None, "bin"
@@ -136,21 +141,26 @@ def copy_base(dest, version):
     for path in _glob.glob(_os.path.join(prefix, "lib", "libpython*")):
         _shutil.copy2(path, lib, follow_symlinks=False)
     ignore = _shutil.ignore_patterns(*STDLIB_SKIP, "config-*", "*.opt-[12].pyc")
-    stdlib = _os.path.join(prefix, "lib", version)
-    _shutil.copytree(stdlib, _os.path.join(lib, version), ignore=ignore, symlinks=True)
+    stdlib = _os.path.join(prefix, "lib", PYTHON)
+    _shutil.copytree(stdlib, _os.path.join(lib, PYTHON), ignore=ignore, symlinks=True)
 
 
-def make_venv(dest, base, version):
+def make_venv(dest, base):
     """Write a venv whose interpreter is *base*'s (on the mount), without pip."""
     _os.makedirs(_os.path.join(dest, "bin"))
-    _os.makedirs(_os.path.join(dest, "lib", version, "site-packages"))
+    _os.makedirs(site_packages(dest))
     with open(_os.path.join(dest, "pyvenv.cfg"), "w") as f:
         f.write(f"home = {base}/bin\ninclude-system-site-packages = false\n")
         f.write("version = {}.{}.{}\n".format(*_sys.version_info[:3]))
-    for name in ("python", "python3", version):
+    for name in ("python", "python3", PYTHON):
         _os.symlink(
-            _os.path.join(base, "bin", version), _os.path.join(dest, "bin", name)
+            _os.path.join(base, "bin", PYTHON), _os.path.join(dest, "bin", name)
         )
+    copy_mpich_libs(dest)
+
+
+def copy_mpich_libs(dest):
+    """Copy the MPICH wheel's libraries (``lib/libmpi*``, ``lib/mpich``) to *dest*."""
     lib = _os.path.join(_sys.prefix, "lib")
     for path in _glob.glob(_os.path.join(lib, "libmpi*")) + [
         _os.path.join(lib, "mpich")
@@ -159,7 +169,10 @@ def make_venv(dest, base, version):
 
 
 def copy_packages(site, names=("mpi4py", "mpi4py-*.dist-info", "mpich-*.dist-info")):
-    """Copy mpi4py and the MPICH wheel's metadata from this environment."""
+    """Copy what matches *names* in this environment's site-packages to *site*.
+
+    By default: mpi4py and the MPICH wheel's metadata.
+    """
     import sysconfig
 
     here = sysconfig.get_paths()["purelib"]
@@ -200,7 +213,7 @@ def write_record(site, info, trees):
 
 
 def copy(src, dst):
-    """Copy a file, symlink or tree."""
+    """Copy a file, symlink or tree, symlinks as symlinks."""
     if _os.path.isdir(src) and not _os.path.islink(src):
         _shutil.copytree(src, dst, symlinks=True)
     else:

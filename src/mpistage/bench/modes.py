@@ -28,6 +28,9 @@ import subprocess as _subprocess
 import sys as _sys
 import time as _time
 
+LAUNCH_TIMEOUT = 1800  # seconds: a launch that takes longer is stuck
+STDERR_TAIL = 4000  # characters of a failed launch's stderr to show
+
 
 class Mode:
     """A way to start the workload; subclasses override what differs."""
@@ -36,46 +39,51 @@ class Mode:
     layouts = ("realistic", "packages")
     empty = False  # run no workload code: the floor
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Do the untimed setup once, before any cell runs."""
 
-    def python(self, bench):
+    def python(self, testbed):
         """The interpreter every rank starts."""
-        return bench.layout.python
+        return testbed.layout.python
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Return the arguments between ``python`` and ``-c CODE``."""
         return []
 
-    def command(self, bench, ranks, code):
+    def command(self, testbed, ranks, code):
         """Return the launch command for *ranks* ranks running *code*."""
-        args = [self.python(bench), *self.runner(bench), "-c", code]
-        return [bench.mpiexec, "-n", str(ranks), *args]
+        args = [self.python(testbed), *self.runner(testbed), "-c", code]
+        return [testbed.mpiexec, "-n", str(ranks), *args]
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """Return the environment of a run."""
-        env = clean_environ(bench.layout.environ())
+        env = clean_environ(testbed.layout.environ())
         env["MPISTAGE_EMULATE_NODES"] = str(nodes)
-        env["MPISTAGE_BENCH_RESULT"] = bench.result_path
-        env.update(bench.extra_env)
+        env["MPISTAGE_BENCH_RESULT"] = testbed.result_path
+        env.update(testbed.extra_env)
         return env
 
-    def driver_site(self, bench):
+    def driver_site(self, testbed):
         """The root the driver puts on ``sys.path`` itself, if any."""
-        return bench.layout.driver_site()
+        return testbed.layout.driver_site()
 
-    def launch(self, bench, ranks, nodes, code):
+    def launch(self, testbed, ranks, nodes, code):
         """Run one cell; return (start time, shared-FS stats, extra figures)."""
-        bench.fs.reset()
+        testbed.fs.reset()
         start = _time.time()
-        run(self.command(bench, ranks, code), self.env(bench, nodes), self.name, ranks)
-        return start, bench.fs.stats(), {"stage_s": self.stage_seconds(bench)}
+        run(
+            self.command(testbed, ranks, code),
+            self.env(testbed, nodes),
+            self.name,
+            ranks,
+        )
+        return start, testbed.fs.stats(), {"stage_s": self.stage_seconds(testbed)}
 
-    def stage_seconds(self, bench):
+    def stage_seconds(self, testbed):
         """Return the seconds this mode spent staging in the last cell."""
         return 0.0
 
-    def after(self, bench):
+    def after(self, testbed):
         """Clean up after one cell (untimed)."""
 
 
@@ -91,10 +99,11 @@ def clean_environ(extra):
 def run(command, env, name, ranks):
     """Run one launch; raise with its stderr if it fails."""
     done = _subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=1800
+        command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
     )
     if done.returncode:
-        raise RuntimeError(f"{name} at {ranks} ranks failed:\n{done.stderr[-4000:]}")
+        tail = done.stderr[-STDERR_TAIL:]
+        raise RuntimeError(f"{name} at {ranks} ranks failed:\n{tail}")
     return done
 
 
@@ -123,67 +132,67 @@ class Plain(Mode):
     name = "plain"
 
 
-class Staged(Mode):
+class Bundled(Mode):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Pack the workload (and the stdlib), found through the mount."""
-        target = _os.path.join(bench.source, "bundles", "workload.mpistage")
-        self.bundle = bench.layout.mounted(target)
+        target = _os.path.join(testbed.source, "bundles", "workload.mpistage")
+        self.bundle = testbed.layout.mounted(target)
         if _os.path.exists(target):
             return
         _os.makedirs(_os.path.dirname(target), exist_ok=True)
-        stdlib = ["--stdlib"] if bench.layout.name == "realistic" else []
-        args = ["pack", "-o", target, *bench.workload.packages, *stdlib]
-        env = self.env(bench, 1)
-        if bench.layout.name == "packages" and bench.layout.via == "site":
-            env["PYTHONPATH"] = bench.shared_site
-        run([self.python(bench), "-m", "mpistage", *args], env, "pack", 1)
+        stdlib = ["--stdlib"] if testbed.layout.name == "realistic" else []
+        args = ["pack", "-o", target, *testbed.workload.packages, *stdlib]
+        env = self.env(testbed, 1)
+        if testbed.layout.name == "packages" and testbed.layout.via == "site":
+            env["PYTHONPATH"] = testbed.shared_site
+        run([self.python(testbed), "-m", "mpistage", *args], env, "pack", 1)
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Run the target through ``python -m mpistage --bundle``."""
         return ["-m", "mpistage", "--bundle", self.bundle]
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """Also ask the runner for its JSON report."""
-        return dict(super().env(bench, nodes), MPISTAGE_REPORT=bench.report_path)
+        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
 
-    def stage_seconds(self, bench):
+    def stage_seconds(self, testbed):
         """The runner's staging seconds, from its report."""
-        return report_seconds(bench.report_path)
+        return report_seconds(testbed.report_path)
 
 
-class StagedTrust(Staged):
+class BundledTrust(Bundled):
     """The runner with ``--trust``: no staleness check by rank 0."""
 
     name = "mpistage-trust"
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Run the target through ``python -m mpistage --bundle --trust``."""
-        return super().runner(bench) + ["--trust"]
+        return super().runner(testbed) + ["--trust"]
 
 
-class Auto(Staged):
+class Auto(Bundled):
     """``--auto``, second run: the cache was filled by an untimed first run."""
 
     name = "auto"
     layouts = ("packages",)
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Learn the bundle in one untimed run, then serve it from the shared FS."""
         import glob
 
-        self.cache = _os.path.join(bench.work, "learn-cache")
-        bench.run_cell(self, 1, 1)
-        shared = _os.path.join(bench.source, "cache")
+        self.cache = _os.path.join(testbed.work, "learn-cache")
+        testbed.run_cell(self, 1, 1)
+        shared = _os.path.join(testbed.source, "cache")
         _os.makedirs(shared, exist_ok=True)
         for path in glob.glob(_os.path.join(self.cache, "*.mpistage")):
             _shutil.copy2(path, shared)
-        self.cache = _os.path.join(bench.mount, "cache")
+        self.cache = _os.path.join(testbed.mount, "cache")
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Run the target through ``python -m mpistage --auto``."""
         return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
 
@@ -193,13 +202,13 @@ class Live(Mode):
 
     name = "live"
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Run the target through ``python -m mpistage``, no bundle."""
         return ["-m", "mpistage"]
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """Also ask the runner for its JSON report."""
-        return dict(super().env(bench, nodes), MPISTAGE_REPORT=bench.report_path)
+        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
 
 
 class AutoFirst(Live):
@@ -207,22 +216,22 @@ class AutoFirst(Live):
 
     name = "auto-first"
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """A cache directory of its own, emptied after every cell."""
-        self.cache = _os.path.join(bench.work, "auto-first-cache")
+        self.cache = _os.path.join(testbed.work, "auto-first-cache")
 
-    def runner(self, bench):
+    def runner(self, testbed):
         """Run the target through ``python -m mpistage --auto``."""
         return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
 
-    def launch(self, bench, ranks, nodes, code):
+    def launch(self, testbed, ranks, nodes, code):
         """Run the cell; report the saved bundle's size."""
-        start, stats, extra = super().launch(bench, ranks, nodes, code)
+        start, stats, extra = super().launch(testbed, ranks, nodes, code)
         saved = [_os.path.join(self.cache, n) for n in _os.listdir(self.cache)]
         extra["bundle_bytes"] = sum(_os.path.getsize(p) for p in saved)
         return start, stats, extra
 
-    def after(self, bench):
+    def after(self, testbed):
         """Empty the cache, so that the next cell is a first run again."""
         _shutil.rmtree(self.cache, ignore_errors=True)
 
@@ -232,16 +241,16 @@ class StagedEnv(Mode):
 
     name = "staged-env"
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Pack the whole environment onto the shared FS (untimed)."""
         from mpistage.bench.envs import env_bundle
 
-        self.bundle = env_bundle(bench)
-        self.local = _os.path.join(bench.local_dir, self.name)
+        self.bundle = env_bundle(testbed)
+        self.local = _os.path.join(testbed.local_dir, self.name)
 
-    def stage_command(self, bench, nodes):
+    def stage_command(self, testbed, nodes):
         """``mpiexec -n NODES python -m mpistage stage BUNDLE --to LOCAL/n{node}``."""
-        python = self.stager(bench)
+        python = self.stager(testbed)
         to = _os.path.join(self.local, "n{node}")
         args = [
             python,
@@ -253,44 +262,48 @@ class StagedEnv(Mode):
             to,
             "--print-env",
         ]
-        return [bench.mpiexec, "-n", str(nodes), *args]
+        return [testbed.mpiexec, "-n", str(nodes), *args]
 
-    def stager(self, bench):
+    def stager(self, testbed):
         """The interpreter the stage step starts: the shared environment's."""
-        return bench.layout.python
+        return testbed.layout.python
 
-    def command(self, bench, ranks, code):
+    def command(self, testbed, ranks, code):
         """Each rank execs its node's staged ``bin/python``."""
-        nodes = bench.nodes
+        nodes = testbed.nodes
         python = f'"{self.local}/n$((PMI_RANK * {nodes} / PMI_SIZE))/bin/python"'
         shell = f'exec {python} -c "$0"'
-        return [bench.mpiexec, "-n", str(ranks), "sh", "-c", shell, code]
+        return [testbed.mpiexec, "-n", str(ranks), "sh", "-c", shell, code]
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """The lines ``mpistage stage`` prints; no PYTHONPATH."""
-        env = super().env(bench, nodes)
+        env = super().env(testbed, nodes)
         env.pop("PYTHONPATH", None)
         env["LD_LIBRARY_PATH"] = _os.path.join(self.local, "n0", "lib")
         return env
 
-    def driver_site(self, bench):
+    def driver_site(self, testbed):
         """Nothing to add: each node's python has its own site-packages."""
         return None
 
-    def launch(self, bench, ranks, nodes, code):
+    def launch(self, testbed, ranks, nodes, code):
         """Stage (counted and timed apart), then run; return both."""
-        bench.nodes = nodes
-        bench.fs.reset()
+        testbed.nodes = nodes
+        testbed.fs.reset()
         start = _time.time()
-        run(self.stage_command(bench, nodes), self.env(bench, nodes), "stage", nodes)
+        run(
+            self.stage_command(testbed, nodes), self.env(testbed, nodes), "stage", nodes
+        )
         staged = _time.time()
-        stage_stats = bench.fs.stats()
-        _, stats, _ = Mode.launch(self, bench, ranks, nodes, code)
+        stage_stats = testbed.fs.stats()
+        _, stats, _ = Mode.launch(self, testbed, ranks, nodes, code)
         stats["stage"] = stage_stats
-        size = _os.path.getsize(_os.path.join(bench.source, "bundles", "env.mpistage"))
+        size = _os.path.getsize(
+            _os.path.join(testbed.source, "bundles", "env.mpistage")
+        )
         return start, stats, {"stage_s": staged - start, "bundle_bytes": size}
 
-    def after(self, bench):
+    def after(self, testbed):
         """Remove the node-local copies, so the next cell stages afresh."""
         _shutil.rmtree(self.local, ignore_errors=True)
 
@@ -300,13 +313,15 @@ class Local(StagedEnv):
 
     name = "local"
 
-    def launch(self, bench, ranks, nodes, code):
+    def launch(self, testbed, ranks, nodes, code):
         """Stage untimed, then run and measure the run alone."""
-        bench.nodes = nodes
-        run(self.stage_command(bench, nodes), self.env(bench, nodes), "stage", nodes)
-        return Mode.launch(self, bench, ranks, nodes, code)
+        testbed.nodes = nodes
+        run(
+            self.stage_command(testbed, nodes), self.env(testbed, nodes), "stage", nodes
+        )
+        return Mode.launch(self, testbed, ranks, nodes, code)
 
-    def after(self, bench):
+    def after(self, testbed):
         """Keep nothing between cells."""
         _shutil.rmtree(self.local, ignore_errors=True)
 
@@ -317,19 +332,21 @@ class LocalPackages(Mode):
     name = "local"
     layouts = ("packages",)
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Copy the workload's root to node-local storage (untimed)."""
-        self.copy = _os.path.join(bench.local_dir, "site")
-        if not _os.path.exists(self.copy):
-            _shutil.copytree(bench.layout.workload_dir(), self.copy, symlinks=True)
+        from mpistage.bench.layout import copy
 
-    def driver_site(self, bench):
+        self.copy = _os.path.join(testbed.local_dir, "site")
+        if not _os.path.exists(self.copy):
+            copy(testbed.layout.workload_dir(), self.copy)
+
+    def driver_site(self, testbed):
         """Import from the node-local copy."""
         return self.copy
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """No shared PYTHONPATH."""
-        env = super().env(bench, nodes)
+        env = super().env(testbed, nodes)
         env.pop("PYTHONPATH", None)
         return env
 
@@ -340,25 +357,25 @@ class PlainEnv(Mode):
     name = "plain-env"
     layouts = ("packages",)
 
-    def prepare(self, bench):
+    def prepare(self, testbed):
         """Put a relocated copy of a small environment on the shared FS."""
         from mpistage.bench.envs import shared_env
 
-        self.prefix = shared_env(bench)
+        self.prefix = shared_env(testbed)
 
-    def python(self, bench):
+    def python(self, testbed):
         """The shared environment's python."""
         return _os.path.join(self.prefix, "bin", "python")
 
-    def driver_site(self, bench):
+    def driver_site(self, testbed):
         """The environment's own site-packages."""
-        from mpistage.bench.envs import site_packages
+        from mpistage.bench.layout import site_packages
 
         return site_packages(self.prefix)
 
-    def env(self, bench, nodes):
+    def env(self, testbed, nodes):
         """The lines ``mpistage stage`` prints, for the shared copy."""
-        env = super().env(bench, nodes)
+        env = super().env(testbed, nodes)
         env.pop("PYTHONPATH", None)
         env["LD_LIBRARY_PATH"] = _os.path.join(self.prefix, "lib")
         return env
@@ -369,7 +386,7 @@ class StagedSmallEnv(StagedEnv):
 
     layouts = ("packages",)
 
-    def stager(self, bench):
+    def stager(self, testbed):
         """The packages layout stages with the local interpreter."""
         return _sys.executable
 
@@ -377,14 +394,23 @@ class StagedSmallEnv(StagedEnv):
 MODES = {
     "realistic": {
         m.name: m
-        for m in (Floor, Plain, Staged, StagedTrust, Live, AutoFirst, StagedEnv, Local)
+        for m in (
+            Floor,
+            Plain,
+            Bundled,
+            BundledTrust,
+            Live,
+            AutoFirst,
+            StagedEnv,
+            Local,
+        )
     },
     "packages": {
         m.name: m
         for m in (
             Plain,
-            Staged,
-            StagedTrust,
+            Bundled,
+            BundledTrust,
             Auto,
             Live,
             AutoFirst,

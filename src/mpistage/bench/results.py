@@ -1,11 +1,13 @@
 """What ``mpistage bench run`` writes: CSV, JSON, a markdown table, a plot."""
 
 import os as _os
-import statistics as _statistics
 
-from mpistage.bench.run import COLUMNS, FIGURES
+from mpistage.bench.rows import medians
+from mpistage.bench.sweep import COLUMNS, FIGURES
+from mpistage.bench.units import MB
 
 KEY = ("workload", "layout", "via", "mode", "ranks", "nodes")
+DPI = 110
 
 
 def write_all(rows, out, meta):
@@ -30,17 +32,9 @@ def write_csv(rows, path):
             writer.writerow({k: row[k] for k in COLUMNS})
 
 
-def medians(rows):
-    """Return one row per (workload, mode, ranks, nodes): medians of repeats."""
-    groups = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in KEY), []).append(row)
-    merged = []
-    for key, group in groups.items():
-        row = dict(zip(KEY, key, strict=True))
-        for col in FIGURES:
-            row[col] = _statistics.median(r[col] for r in group)
-        merged.append(row)
+def cell_medians(rows):
+    """Return one row per (workload, layout, via, mode, ranks, nodes), sorted."""
+    merged = medians(rows, KEY, FIGURES)
     return sorted(
         merged, key=lambda r: (r["workload"], r["layout"], r["ranks"], r["mode"])
     )
@@ -54,14 +48,14 @@ def table(rows):
         "| MB read |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in medians(rows):
+    for r in cell_medians(rows):
         layout = r["layout"] + (" (PYTHONPATH)" if r["via"] == "pythonpath" else "")
         lines.append(
             f"| {r['workload']} | {layout} | {r['ranks']} | {r['nodes']} "
             f"| {r['mode']} | {r['total_s']:.2f} | {r['stage_s']:.2f} "
             f"| {r['ops_rank0']:.0f} "
             f"| {r['ops_rank_median']:.0f} / {r['ops_rank_max']:.0f} "
-            f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / 1e6:.1f} |"
+            f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / MB:.1f} |"
         )
     return "\n".join(lines)
 
@@ -75,7 +69,7 @@ def plot(rows, path, meta):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     series = {}
-    for r in medians(rows):
+    for r in cell_medians(rows):
         series.setdefault((r["workload"], r["mode"]), []).append(r)
     styles = ["-", "--", ":", "-."]
     workloads = sorted({w for w, _ in series})
@@ -100,7 +94,7 @@ def plot(rows, path, meta):
     )
     left.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 

@@ -1,10 +1,12 @@
-"""The workloads ``mpistage bench run`` starts: numpy, a generated package,
-or any code. Each puts its files in the source tree that the simulated shared
-file system mirrors, and gives the code every rank runs.
+"""The workloads ``mpistage bench run`` starts: numpy, scipy, pandas, a
+generated package, or any code. Each puts its files in the source tree that
+the simulated shared file system mirrors, and gives the code every rank runs.
 """
 
 import os as _os
 import shutil as _shutil
+
+from mpistage.bench.generate.spec import NAME
 
 
 class Workload:
@@ -41,7 +43,7 @@ class Generated(Workload):
     """The Pynamic-like package from ``mpistage bench generate``."""
 
     name = "generated"
-    package = "pynamic_ws"
+    package = NAME
 
     def __init__(self, **sizes):
         self.sizes = sizes
@@ -58,10 +60,8 @@ class Generated(Workload):
 class Code(Workload):
     """Any code, with the named installed packages copied to the shared FS."""
 
-    name = "code"
-
-    def __init__(self, code, packages):
-        self.code, self.packages = code, tuple(packages)
+    def __init__(self, code, packages, name="code"):
+        self.code, self.packages, self.name = code, tuple(packages), name
 
     def build(self, site):
         """Copy each named package as `pack` would take it."""
@@ -88,14 +88,31 @@ def copy_files(roots, dest):
                 _shutil.copy2(path, target)
 
 
+# Installed packages every rank imports and uses: (code, packages to copy).
+INSTALLED = {
+    "scipy": (
+        "import scipy.linalg; scipy.linalg.solve([[2.0, 0.0], [0.0, 4.0]], [1.0, 1.0])",
+        ("numpy", "scipy"),
+    ),
+    "pandas": (
+        "import pandas; pandas.DataFrame({'k': [1, 1, 2]}).groupby('k').size()",
+        ("numpy", "pandas", "dateutil"),
+    ),
+}
+
+
 def make(name, code=None, packages=(), sizes=None):
-    """Return the workload called *name* (``numpy``, ``generated``, ``code``)."""
+    """Return the workload *name*: numpy, scipy, pandas, generated, code."""
     from mpistage import StageError
 
     if name == "numpy":
         return Numpy()
+    if name in INSTALLED:
+        return Code(*INSTALLED[name], name=name)
     if name == "generated":
         return Generated(**(sizes or {}))
     if name == "code" and code:
         return Code(code, packages)
-    raise StageError(f"unknown workload {name!r}: use numpy, generated or --code")
+    raise StageError(
+        f"unknown workload {name!r}: use numpy, scipy, pandas, generated or --code"
+    )

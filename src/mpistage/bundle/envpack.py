@@ -66,7 +66,7 @@ def python_version(cfg):
 
 def python_tag(version):
     """Return the Python tag of a bundle for Python *version* (``X.Y``)."""
-    from mpistage.runtime.format import python_tag as current
+    from mpistage.runtime.bundlefile import python_tag as current
 
     tag, here = current(), "{}{}".format(*_sys.version_info[:2])
     there = version.replace(".", "")

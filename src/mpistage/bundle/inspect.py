@@ -52,7 +52,7 @@ def render(manifest):
 
 def summary(manifest):
     """Return the lines of the summary of *manifest*, as the manifest says."""
-    from mpistage.runtime.format import original_path
+    from mpistage.runtime.bundlefile import original_path
 
     files = [m for m in manifest["members"] if m["type"] == "file"]
     py = manifest["python"]
@@ -80,6 +80,6 @@ def summary(manifest):
 
 def inspect(bundle):
     """Return the checked manifest of *bundle* (reads its header and manifest only)."""
-    from mpistage.runtime.format import read_manifest
+    from mpistage.runtime.read import read_manifest
 
     return read_manifest(bundle)

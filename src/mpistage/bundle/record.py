@@ -1,12 +1,8 @@
 """Learn what a program uses, and turn that into a bundle.
 
-A :class:`Recorder` runs inside the program. An audit hook notes every file
-it opens for reading (``open``, ``importlib.resources``,
-``importlib.metadata``, ``get_data``), every directory it lists, and every
-library ``ctypes`` loads; at the end, the modules in ``sys.modules`` and the
-files mapped into the process (``/proc/self/maps``: extension modules and
-the shared libraries they link) are added. Paths are normalized, so a data
-file reached as ``pkg/../data/x`` counts as ``data/x``.
+A recorder (:class:`mpistage.runtime.auto.Recorder`) runs inside each
+Python process of the recorded command, as it does in every rank of an
+``--auto`` learning run, and writes what the process used (its *usage*).
 
 :func:`build` groups the used files by sys.path root and writes a bundle:
 
@@ -25,122 +21,10 @@ start.
 """
 
 import os as _os
-import sys as _sys
 
 from mpistage import StageError
 
 GRANULARITIES = ("package", "file")
-_EVENTS = ("open", "ctypes.dlopen", "os.listdir", "os.scandir")
-
-
-class Recorder:
-    """Notes the files this process uses; see the module docstring."""
-
-    def __init__(self):
-        self.paths, self.listed = set(), set()
-        self.active = True
-        # Loaded before any runner can act (.pth hooks, the runner itself):
-        # staging them would not help, so they are not recorded.
-        self.preloaded = set(_sys.modules)
-        _sys.addaudithook(self.hook)
-
-    def hook(self, event, args):
-        """Audit hook: remember paths opened for reading, listed or dlopened."""
-        if not self.active or event not in _EVENTS:
-            return
-        if event == "open" and writes(args):
-            return
-        path = args[0] if args else None
-        if isinstance(path, bytes):
-            path = _os.fsdecode(path)
-        if not isinstance(path, str) or (
-            event == "ctypes.dlopen" and _os.sep not in path
-        ):
-            return
-        if event.startswith("os.") and by_import_system():
-            return
-        path = _os.path.normpath(_os.path.abspath(path))
-        (self.listed if event.startswith("os.") else self.paths).add(path)
-
-    def usage(self):
-        """Stop recording; return what was used, as JSON-ready data."""
-        from mpistage.runtime.format import python_tag
-
-        self.active = False
-        paths = self.paths | module_files(self.preloaded) | mapped_files()
-        entries = [_os.path.abspath(p or ".") for p in _sys.path]
-        entries += finder_roots(entries)
-        return {
-            "python": python_tag(),
-            "sys_path": entries,
-            "files": sorted(paths),
-            "listed": sorted(self.listed),
-        }
-
-
-def by_import_system():
-    """Whether the audited call came from the import system (its own listings)."""
-    try:
-        frame = _sys._getframe(2)
-    except ValueError:
-        return False
-    return frame.f_code.co_filename.startswith("<frozen importlib")
-
-
-def finder_roots(entries):
-    """Return the roots of top-level modules found off ``sys.path``.
-
-    A finder-based editable install (PEP 660) maps a package to its source
-    tree without putting that tree on ``sys.path``; the tree's parent is a
-    root all the same.
-    """
-    found = set()
-    prefixes = tuple(e + _os.sep for e in entries)
-    for name, module in list(_sys.modules.items()):
-        origin = getattr(getattr(module, "__spec__", None), "origin", None)
-        if "." in name or not origin or not _os.path.isabs(origin):
-            continue
-        if origin.startswith(prefixes) or not _os.path.isfile(origin):
-            continue
-        is_package = _os.path.basename(origin).startswith("__init__.")
-        top = _os.path.dirname(origin)
-        found.add(_os.path.dirname(top) if is_package else top)
-    return sorted(found)
-
-
-def writes(args):
-    """Whether an ``open`` audit event's (path, mode, flags) opens for writing."""
-    _, mode, flags = args
-    if isinstance(mode, str):
-        return any(c in mode for c in "wax+")
-    return bool(isinstance(flags, int) and flags & (_os.O_WRONLY | _os.O_RDWR))
-
-
-def module_files(skip=()):
-    """Return the source, bytecode and extension files of loaded modules."""
-    found = set()
-    for name, module in list(_sys.modules.items()):
-        if name in skip:
-            continue
-        spec = getattr(module, "__spec__", None)
-        for path in (getattr(spec, "origin", None), getattr(spec, "cached", None)):
-            if path and _os.path.isabs(path) and _os.path.isfile(path):
-                found.add(_os.path.normpath(path))
-    return found
-
-
-def mapped_files():
-    """Return the files mapped into this process (shared libraries)."""
-    found = set()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(None, 5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    found.add(fields[5].strip())
-    except OSError:
-        pass
-    return found
 
 
 def usable_roots(usages, stdlib):
@@ -271,31 +155,18 @@ def check_same_python(usages):
         raise StageError("the recorded processes ran different Pythons")
 
 
-def start_child(folder):
-    """Record this process; write its usage to *folder* at exit."""
-    import atexit
+def record(output, command=(), granularity="package", stdlib=True, usage=()):
+    """Run *command* with a recorder in each Python process; write the bundle.
 
-    recorder = Recorder()
-    atexit.register(save_usage, recorder, folder)
-    return recorder
-
-
-def save_usage(recorder, folder):
-    """Write *recorder*'s usage as ``usage.<pid>.json`` in *folder*."""
-    import json
-
-    path = _os.path.join(folder, f"usage.{_os.getpid()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(recorder.usage(), f)
-    _os.replace(path + ".tmp", path)
-
-
-def record(output, command, granularity="package", stdlib=True):
-    """Run *command* with a recorder in each Python process; write the bundle."""
-    if not command:
-        raise StageError("no command to record: mpistage record -o X -- python app.py")
+    Or, given *usage* files (what ``--auto`` learning runs save), build the
+    bundle from them without running anything.
+    """
     if granularity not in GRANULARITIES:
         raise StageError(f"granularity {granularity!r}: use package or file")
+    if usage:
+        return from_usage(output, usage, granularity, stdlib)
+    if not command:
+        raise StageError("no command to record: mpistage record -o X -- python app.py")
     status, usages = record_command(command)
     if status != 0:
         raise StageError(
@@ -308,6 +179,23 @@ def record(output, command, granularity="package", stdlib=True):
         )
     extra = {"command": list(command), "processes": len(usages)}
     return build(output, usages, granularity, "record", extra, stdlib)
+
+
+def from_usage(output, files, granularity, stdlib):
+    """Build the bundle of the usage saved in *files*; return its manifest."""
+    import json
+
+    usages = []
+    for path in files:
+        try:
+            with open(path, encoding="utf-8") as f:
+                usages.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise StageError(f"cannot read usage {path!r}: {exc}") from None
+    first = usages[0]
+    extra = {"command": first.get("command", []), "processes": first.get("processes")}
+    created_by = first.get("created_by", "record")
+    return build(output, usages, granularity, created_by, extra, stdlib)
 
 
 def record_command(command):

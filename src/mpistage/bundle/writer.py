@@ -8,26 +8,32 @@ last, the header is filled in, and the file is renamed into place; on any
 error the temporary file is removed and the target is untouched.
 
 For each root the manifest records its listing (so absent names can be
-answered without the file system) and, for each bundled distribution, the
-identity of its ``RECORD`` (inode, size, mtime); members its ``RECORD``
-lists are marked ``owned``. That is what lets the staleness check cost
+answered without the file system), its own identity, the listing and mtime
+of each directory the bundle holds only in part, and, for each bundled
+distribution, the identity of its ``RECORD`` (inode, size, mtime); members
+its ``RECORD`` lists are marked ``owned``, and members directly in a root
+keep their inode. That is what lets the staleness check cost
 O(distributions + directories) (see :mod:`mpistage.runtime.validate`).
+
+Bundles are never bundled: files ending in ``.mpistage`` (and the writer's
+own temporaries) are left out, so ``pack --path .`` with the output in
+``.`` does not take the previous bundle and is not stale at once.
 """
 
-import hashlib as _hashlib
 import os as _os
 
 from mpistage import StageError
-from mpistage.runtime import format as _format
+from mpistage.runtime import bundlefile
 
 COPY_SIZE = 1 << 20
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp")
 
 
 class Selection:
     """The roots of a bundle and, for each, the original paths it takes."""
 
     def __init__(self, exclude=()):
-        self.paths, self.files, self.exclude = [], {}, tuple(exclude)
+        self.paths, self.files, self.exclude = [], {}, tuple(exclude) + BUNDLES
         self.dest, self.data, self.rename, self.links = {}, {}, {}, []
         self.source = {}
 
@@ -86,15 +92,16 @@ def write(output, selection, fields):
     import time
 
     from mpistage import __version__
+    from mpistage.runtime.roots import partial_dirs
 
-    if not output.endswith(_format.SUFFIX):
-        raise StageError(f"bundle name {output!r} must end in {_format.SUFFIX!r}")
+    if not output.endswith(bundlefile.SUFFIX):
+        raise StageError(f"bundle name {output!r} must end in {bundlefile.SUFFIX!r}")
     roots = [root_entry(selection, p) for p in selection.paths]
     manifest = {
         "kind": "packages",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "mpistage": __version__,
-        "python": _format.python_tag(),
+        "python": bundlefile.python_tag(),
         **fields,
         "roots": roots,
     }
@@ -106,7 +113,32 @@ def write(output, selection, fields):
                 writer.members[-1]["partial"] = True
         for index, rel, target in selection.links:
             writer.add_link(index, rel, target)
+        for index, root in enumerate(roots if fields.get("kind") != "env" else ()):
+            record_partial(root, partial_dirs({"members": writer.members}, index))
         return writer.finish(manifest)
+
+
+def record_partial(entry, rels):
+    """Record the listing and mtime of each directory held in part (no bytecode).
+
+    A name absent from the staged copy is then looked for in the original
+    only when the original holds it; the mtime tells when the listing is
+    no longer true.
+    """
+    from mpistage.runtime.roots import listing
+
+    found = {}
+    for rel in rels:
+        if "__pycache__" in rel.split("/"):
+            continue
+        path = _os.path.join(entry["path"], rel)
+        if _os.path.isdir(path) and not _os.path.islink(path):
+            found[rel] = {
+                "mtime_ns": _os.stat(path).st_mtime_ns,
+                "listing": listing(path),
+            }
+    if found:
+        entry["partial"] = found
 
 
 def incomplete(selection, index, path):
@@ -122,6 +154,9 @@ def root_entry(selection, root):
     from mpistage.runtime.roots import in_stdlib, listing
 
     entry = {"path": root, "listing": listing(root) if _os.path.isdir(root) else []}
+    if _os.path.isdir(root):
+        st = _os.stat(root)
+        entry["identity"] = [st.st_ino, st.st_mtime_ns]
     if root in selection.dest:
         entry["dest"] = selection.dest[root]
     dists, owned = distributions(root, selection.files[root])
@@ -193,7 +228,7 @@ class Writer:
         except OSError as exc:
             raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
         self.file = _os.fdopen(fd, "wb")
-        self.file.write(bytes(_format.HEADER_SIZE))
+        self.file.write(bytes(bundlefile.HEADER_SIZE))
         self.members = []
 
     def __enter__(self):
@@ -213,6 +248,8 @@ class Writer:
         st = _os.lstat(path)
         member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
         member["mtime_ns"] = st.st_mtime_ns
+        if "/" not in rel:  # a rename-replace in a root changes only the inode
+            member["ino"] = st.st_ino
         if _os.path.islink(path):
             member.update(type="link", target=_os.readlink(path), size=0)
         elif _os.path.isdir(path):
@@ -230,7 +267,7 @@ class Writer:
 
     def copy(self, path, data=None):
         """Append a file's content (or *data*); return offset, size, digest."""
-        offset, digest, size = self.file.tell(), _hashlib.sha256(), 0
+        offset, digest, size = self.file.tell(), bundlefile.sha256(), 0
         chunks = [data] if data is not None else file_chunks(path)
         for chunk in chunks:
             digest.update(chunk)
@@ -242,14 +279,14 @@ class Writer:
         """Append *manifest* (plus the members), fill the header, rename."""
         import json
 
-        manifest = dict(manifest, format=_format.FORMAT, members=self.members)
+        manifest = dict(manifest, format=bundlefile.FORMAT, members=self.members)
         raw = json.dumps(manifest, separators=(",", ":")).encode()
         offset = self.file.tell()
         self.file.write(raw)
         self.file.seek(0)
-        digest = _hashlib.sha256(raw).digest()
-        header = _format.HEADER.pack(
-            _format.MAGIC, _format.FORMAT, 0, offset, len(raw), digest
+        digest = bundlefile.sha256(raw).digest()
+        header = bundlefile.HEADER.pack(
+            bundlefile.MAGIC, bundlefile.FORMAT, 0, offset, len(raw), digest
         )
         self.file.write(header)
         self.file.flush()

@@ -1,6 +1,6 @@
 """The ``mpistage`` tools: one command-line layer over the library.
 
-Each tool is a module here with ``parser()`` (argparse) and ``run(args)``,
+Each tool is a module here with ``parser()`` (argparse) and ``main(argv)``,
 which calls the library function of the same name with one keyword per
 flag (``mpistage pack`` is :func:`mpistage.pack`). :func:`main` is the one
 place that turns a :class:`~mpistage.StageError` into the one-line
@@ -10,15 +10,7 @@ not here: they run in every rank and live in :mod:`mpistage.runtime`.
 
 import sys as _sys
 
-TOOLS = {
-    "pack": "mpistage.cli.pack",
-    "record": "mpistage.cli.record",
-    "inspect": "mpistage.cli.inspect",
-    "clean": "mpistage.cli.clean",
-    "run": "mpistage.cli.run",
-    "bench": "mpistage.bench.cli",
-}
-COMMANDS = ("stage", *TOOLS)
+from mpistage import COMMANDS, TOOLS
 
 
 def main(argv):

@@ -4,7 +4,7 @@ A job whose nodes crashed, or that ran with ``--keep``, leaves its staging
 roots. Each root records the host and pid of the leader that made it; a
 root of this user, on this host, whose leader is gone or a zombie is stale.
 Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
-complete or interrupted. Removal is :func:`mpistage.runtime.removal.remove`.
+complete or interrupted. Removal is :func:`mpistage.runtime.cleanup.remove`.
 """
 
 import os as _os
@@ -39,7 +39,8 @@ def clean(folder=None, dry_run=False):
 
 def clean_roots(dry_run=False):
     """Remove this user's stale staging roots on this host; return their paths."""
-    from mpistage.runtime.place import candidates, open_safe, user_dirs
+    from mpistage.runtime.cleanup import user_dirs
+    from mpistage.runtime.place import candidates, open_safe
 
     found = []
     for candidate in candidates():
@@ -57,8 +58,8 @@ def clean_roots(dry_run=False):
 
 def clean_user_dir(candidate_fd, path, name, dry_run):
     """Remove the stale roots in one of this user's directories; return their paths."""
-    from mpistage.runtime.place import DIR_FLAGS, check_own, stale_roots
-    from mpistage.runtime.removal import remove_entry
+    from mpistage.runtime.cleanup import remove_entry, stale_roots
+    from mpistage.runtime.place import DIR_FLAGS, check_own
 
     try:
         fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
@@ -85,8 +86,8 @@ def clean_user_dir(candidate_fd, path, name, dry_run):
 
 def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
+    from mpistage.runtime.cleanup import remove
     from mpistage.runtime.place import target_dir
-    from mpistage.runtime.removal import remove
     from mpistage.runtime.stager import read_marker
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):

@@ -30,6 +30,14 @@ def parser():
         action="store_false",
         help="leave out the standard library modules the program used",
     )
+    p.add_argument(
+        "--usage",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="build from usage a run saved (--auto learning runs do) instead "
+        "of running a command",
+    )
     p.add_argument("command", nargs="*", help="the command, after --")
     return p
 
@@ -41,7 +49,11 @@ def main(argv):
 
     args = parser().parse_args(argv)
     manifest = record(
-        args.output, args.command, granularity=args.granularity, stdlib=args.stdlib
+        args.output,
+        args.command,
+        granularity=args.granularity,
+        stdlib=args.stdlib,
+        usage=args.usage,
     )
     print(f"wrote {args.output}")
     print(render(manifest))

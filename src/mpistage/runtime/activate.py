@@ -5,17 +5,21 @@ Activation changes four things, and :func:`deactivate` undoes them:
 - a path hook first in ``sys.path_hooks`` (:class:`~.finders.StagedHook`)
   serves each bundled sys.path root from the staged copy, whether the root
   is on ``sys.path`` now or is added later; ``sys.path`` is left as it is;
-- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`MetadataFinder`)
+- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`~.finders.MetadataFinder`)
   so that ``importlib.metadata`` reads distributions from the staged copy;
 - other meta path finders (setuptools' finder-based editable installs) are
-  wrapped (:class:`RedirectFinder`) so that what they find in a bundled tree
+  wrapped (:class:`~.finders.RedirectFinder`) so that what they find in a bundled tree
   is loaded from the staged copy too;
 - ``PYTHONPATH`` gains a node-local directory whose ``sitecustomize``
   activates the same copy in child processes (``subprocess``,
   ``multiprocessing`` with spawn or forkserver) for the life of the job.
 
 ``pkgutil.iter_modules`` lists bundled roots from their listings, and
-``pkg_resources`` builds its working set from the staged copies.
+``pkg_resources`` builds its working set from the staged copies. After a
+``staged()`` block, modules imported inside it are pointed back at the
+originals (:func:`repoint`). The finders and loaders themselves are
+:mod:`~mpistage.runtime.finders`'; what was served is
+:func:`mpistage.runtime.report.classify`'s to say.
 """
 
 import os as _os
@@ -28,14 +32,14 @@ CHILD_ENV = "MPISTAGE_CHILD"
 class Activation:
     """What activation changed, so that it can be classified and undone."""
 
-    def __init__(self, root, hook, meta, wrapped, before, environ):
+    def __init__(self, root, hook, meta, wrapped, before, environ, roots=None):
         self.root, self.hook, self.meta, self.wrapped = root, hook, meta, wrapped
-        self.before, self.environ = before, environ
+        self.before, self.environ, self.roots = before, environ, roots or {}
 
 
 def roots_of(staged):
-    """Return ``{original path: Root}`` for every root of a staged bundle."""
-    from mpistage.runtime.finders import Root
+    """Return ``{original path: BundledRoot}`` for every root of a staged bundle."""
+    from mpistage.runtime.finders import BundledRoot
     from mpistage.runtime.roots import destinations, partial_dirs
 
     manifest, roots = staged.manifest, {}
@@ -47,17 +51,23 @@ def roots_of(staged):
     for index, dest in enumerate(destinations(manifest)):
         entry = manifest["roots"][index]
         copy = _os.path.join(staged.path, dest) if index in held else None
-        root = Root(
+        root = BundledRoot(
             entry["path"],
             copy,
             entry.get("listing", []),
-            partial_dirs(manifest, index),
+            partial_listings(entry, partial_dirs(manifest, index)),
             owned.get(index, ()),
             bool(entry.get("stdlib")),
         )
         root.unbundled_dists = unbundled_dists(root.listing, copy)
         roots[root.path] = root
     return roots
+
+
+def partial_listings(entry, rels):
+    """Return ``{rel: recorded listing or None}`` of the directories held in part."""
+    recorded = entry.get("partial", {})
+    return {rel: recorded[rel]["listing"] if rel in recorded else None for rel in rels}
 
 
 def unbundled_dists(listing, copy):
@@ -77,186 +87,8 @@ def finders_of(roots):
         finders[path] = StagedFinder(root, path, root.staged, root.names)
         for rel in root.partial if root.staged else ():
             inside, original = _os.path.join(root.staged, rel), _os.path.join(path, rel)
-            partial[inside] = StagedFinder(root, original, inside, None)
+            partial[inside] = StagedFinder(root, original, inside, root.names_in(rel))
     return finders, partial
-
-
-class MetadataFinder:
-    """Stands in for ``PathFinder`` in ``sys.meta_path``.
-
-    Finding modules is left to ``PathFinder``; finding distributions
-    (``importlib.metadata``) looks at the staged copy of each bundled root,
-    and at the original after it only when the original holds distributions
-    the bundle lacks. It also lets ``pkgutil`` and ``pkg_resources`` know
-    the staged roots when they are imported.
-    """
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def find_spec(self, fullname, path=None, target=None):
-        """Find a module as ``PathFinder`` does; prepare pkgutil, pkg_resources."""
-        spec = self.base.find_spec(fullname, path, target)
-        if spec is not None and fullname in AFTER_IMPORT:
-            spec.loader = Prepared(spec.loader, fullname, self.roots)
-        return spec
-
-    def find_distributions(self, context=None):
-        """Find distributions, reading bundled roots from their staged copy."""
-        from importlib.metadata import DistributionFinder
-
-        context = context or DistributionFinder.Context()
-        path = metadata_path(context.path, self.roots)
-        return self.base.find_distributions(
-            DistributionFinder.Context(name=context.name, path=path)
-        )
-
-
-def metadata_path(entries, roots, keep=False):
-    """Return *entries* with each bundled root replaced by where its metadata is.
-
-    A root the bundle holds nothing of is dropped when its listing shows no
-    distributions; with *keep*, it stays (``pkg_resources`` also imports
-    through this path while it scans).
-    """
-    path = []
-    for entry in entries:
-        root = roots.get(_os.path.abspath(entry or "."))
-        if root is None or (keep and root.staged is None):
-            path.append(entry)
-        else:
-            path += root.metadata_paths()
-    return path
-
-
-class Prepared:
-    """A loader that runs ``pkgutil`` or ``pkg_resources`` with staged roots known."""
-
-    def __init__(self, loader, name, roots):
-        self.loader, self.name, self.roots = loader, name, roots
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-    def create_module(self, spec):
-        """Create the module as the real loader does."""
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
-
-        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
-        is imported; scanning the staged copies keeps that node-local.
-        """
-        module.__loader__ = module.__spec__.loader = self.loader
-        saved = _sys.path[:]
-        if self.name == "pkg_resources":
-            _sys.path[:] = metadata_path(saved, self.roots, keep=True)
-        try:
-            self.loader.exec_module(module)
-        finally:
-            _sys.path[:] = saved
-        AFTER_IMPORT[self.name](module)
-
-
-def register_pkgutil(pkgutil):
-    """Let ``pkgutil.iter_modules`` list bundled roots from their listings."""
-    from mpistage.runtime.finders import StagedFinder
-
-    @pkgutil.iter_importer_modules.register(StagedFinder)
-    def _iter_staged(importer, prefix=""):
-        return importer.iter_modules(prefix)
-
-
-def register_pkg_resources(pkg_resources):
-    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
-    from mpistage.runtime.finders import StagedFinder
-
-    def find_staged(importer, path_item, only=False):
-        for path in importer.root.metadata_paths():
-            yield from pkg_resources.find_on_path(importer, path, only)
-
-    pkg_resources.register_finder(StagedFinder, find_staged)
-
-
-AFTER_IMPORT = {"pkgutil": register_pkgutil, "pkg_resources": register_pkg_resources}
-
-
-class RedirectFinder:
-    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def find_spec(self, fullname, path=None, target=None):
-        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
-        from importlib.machinery import (
-            ExtensionFileLoader,
-            SourceFileLoader,
-            SourcelessFileLoader,
-        )
-
-        spec = self.base.find_spec(fullname, path, target)
-        plain = (SourceFileLoader, SourcelessFileLoader, ExtensionFileLoader)
-        if spec is None or type(spec.loader) not in plain or not spec.has_location:
-            return spec  # A loader of its own (pytest's rewriting): left alone.
-        return staged_spec(spec, self.roots) or spec
-
-
-def staged_spec(spec, roots):
-    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
-    from importlib.util import spec_from_file_location
-
-    from mpistage.runtime.finders import transparent_spec
-
-    for root in roots.values():
-        if root.staged and spec.origin.startswith(root.path + _os.sep):
-            copy = root.staged + spec.origin[len(root.path) :]
-            if not _os.path.isfile(copy):
-                return None
-            package = spec.submodule_search_locations is not None
-            locations = [_os.path.dirname(copy)] if package else None
-            found = spec_from_file_location(
-                spec.name, copy, submodule_search_locations=locations
-            )
-            rel = copy[len(root.staged) + 1 :]
-            return transparent_spec(found, root) if root.transparent(rel) else found
-    return None
-
-
-def wrap_meta_finders(roots):
-    """Wrap the meta path finders that are not the standard ones; return them."""
-    from importlib.machinery import BuiltinImporter, FrozenImporter
-
-    standard = (BuiltinImporter, FrozenImporter)
-    wrapped = []
-    for index, finder in enumerate(_sys.meta_path):
-        if finder in standard or isinstance(finder, MetadataFinder):
-            continue
-        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
-            continue
-        if not hasattr(finder, "find_spec"):
-            continue
-        _sys.meta_path[index] = RedirectFinder(finder, roots)
-        wrapped.append(_sys.meta_path[index])
-    return wrapped
-
-
-def install_metadata_finder(roots):
-    """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
-    from importlib.machinery import PathFinder
-
-    for index, finder in enumerate(_sys.meta_path):
-        if finder is PathFinder:
-            _sys.meta_path[index] = MetadataFinder(finder, roots)
-            return _sys.meta_path[index]
-    return None
 
 
 def forget(finders):
@@ -272,7 +104,12 @@ def activate(staged, children=True):
     """Serve the bundled roots of *staged* from its node-local copy."""
     import importlib
 
-    from mpistage.runtime.finders import StagedHook
+    from mpistage.runtime.finders import (
+        StagedHook,
+        install_metadata_finder,
+        register_pkgutil,
+        wrap_meta_finders,
+    )
 
     roots = roots_of(staged)
     finders, partial = finders_of(roots)
@@ -285,7 +122,8 @@ def activate(staged, children=True):
     if "pkgutil" in _sys.modules:
         register_pkgutil(_sys.modules["pkgutil"])
     environ = inherit(staged) if children else None
-    return Activation(staged.path, hook, meta, wrapped, set(_sys.modules), environ)
+    before = set(_sys.modules)
+    return Activation(staged.path, hook, meta, wrapped, before, environ, roots)
 
 
 def deactivate(activation):
@@ -304,7 +142,78 @@ def deactivate(activation):
             del _sys.path_importer_cache[path]
     if activation.environ is not None:
         restore(activation.environ)
+    repoint(activation.roots)
     importlib.invalidate_caches()
+
+
+def repoint(roots):
+    """Point what was loaded from the staged copy back at the originals.
+
+    The copy is removed when activation ends. A package whose ``__path__``
+    named it could import no submodule it had not imported yet, and a
+    ``__file__`` naming it would lead to a file that is gone: so every
+    module's ``__file__``, ``__cached__``, ``__path__``, spec and loader
+    path, and ``sys.path``, are mapped to the originals, and source served
+    under its original path is read from there.
+    """
+    copies = [(r.staged, r.path) for r in roots.values() if r.staged]
+    if not copies:
+        return
+
+    def original(path):
+        for copy, orig in copies:
+            if isinstance(path, str) and (path + _os.sep).startswith(copy + _os.sep):
+                return orig + path[len(copy) :]
+        return path
+
+    for module in list(_sys.modules.values()):
+        repoint_module(module, original)
+    _sys.path[:] = [original(p) for p in _sys.path]
+    for root in roots.values():
+        root.staged = None
+
+
+def namespace_of(module):
+    """Return a module's ``__dict__`` without running its code, or ``None``.
+
+    A lazily loaded module (``importlib.util.LazyLoader``) would load itself
+    on any attribute looked up the usual way.
+    """
+    from types import ModuleType
+
+    if not isinstance(module, ModuleType):
+        return None
+    return object.__getattribute__(module, "__dict__")
+
+
+def repoint_module(module, original):
+    """Map the paths of one module (see :func:`repoint`) with *original*."""
+    namespace = namespace_of(module)
+    if namespace is None:
+        return
+    for key in ("__file__", "__cached__"):
+        if isinstance(namespace.get(key), str):
+            namespace[key] = original(namespace[key])
+    spec = namespace.get("__spec__")
+    for paths in (
+        namespace.get("__path__"),
+        getattr(spec, "submodule_search_locations", None),
+    ):
+        paths = getattr(paths, "_path", paths)  # a namespace package's path
+        if isinstance(paths, list):
+            paths[:] = [original(p) for p in paths]
+    if spec is not None and isinstance(getattr(spec, "origin", None), str):
+        spec.origin = original(spec.origin)
+        if spec.cached:
+            spec.cached = original(spec.cached)
+    for loader in {
+        id(x): x for x in (namespace.get("__loader__"), getattr(spec, "loader", None))
+    }.values():
+        if isinstance(getattr(loader, "path", None), str):
+            try:
+                loader.path = original(loader.path)
+            except AttributeError:
+                pass  # a loader whose path cannot be set
 
 
 # -- child processes ---------------------------------------------------------------
@@ -317,9 +226,12 @@ def write_plan(staged):
     a name no bundle member may have (``.mpistage*``), created new without
     following a link.
     """
-    import json
+    from mpistage import lend, own_module
 
-    data = json.dumps({"path": staged.path, "manifest": staged.manifest})
+    with lend("json"):
+        data = own_module("json").dumps(
+            {"path": staged.path, "manifest": staged.manifest}
+        )
     flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
     fd = _os.open(CHILD_PLAN, flags, 0o600, dir_fd=staged.root.fd)
     with open(fd, "w", encoding="utf-8") as f:
@@ -355,34 +267,10 @@ def restore(saved):
 
 def activate_child(plan):
     """In a child process: activate the copy the *plan* file describes."""
-    import json
-
+    from mpistage import lend, own_module
     from mpistage.runtime.stage import Staged
 
     fd = _os.open(plan, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC)
-    with open(fd, encoding="utf-8") as f:
-        found = json.load(f)
+    with open(fd, encoding="utf-8") as f, lend("json"):
+        found = own_module("json").load(f)
     activate(Staged(found["path"], found["manifest"], 0), children=False)
-
-
-def classify(activation):
-    """Sort modules imported since activation: served, missed, stdlib."""
-    from mpistage.runtime.finders import TransparentLoader
-    from mpistage.runtime.roots import in_stdlib
-
-    served, missed, stdlib = [], [], []
-    root = activation.root + _os.sep
-    for name, module in list(_sys.modules.items()):
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None)
-        if name in activation.before or name.partition(".")[0] == "mpistage":
-            continue
-        if not origin or not _os.path.isabs(origin):
-            continue
-        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
-            served.append(name)
-        elif in_stdlib(origin):
-            stdlib.append(name)
-        else:
-            missed.append(name)
-    return {"served": served, "missed": missed, "stdlib": stdlib}

@@ -8,6 +8,15 @@ every rank records what it uses; at the end the union over all ranks is
 reduced to rank 0 along a tree (O(log P) steps) and written as the bundle.
 On a hit it is replayed.
 
+A :class:`Recorder` runs inside the program (every rank of a learning run,
+and every Python process of ``mpistage record``). An audit hook notes every
+file it opens for reading (``open``, ``importlib.resources``,
+``importlib.metadata``, ``get_data``), every directory it lists, and every
+library ``ctypes`` loads; at the end, the modules in ``sys.modules`` and the
+files mapped into the process (``/proc/self/maps``: extension modules and
+the shared libraries they link) are added. Paths are normalized, so a data
+file reached as ``pkg/../data/x`` counts as ``data/x``.
+
 The cache directory may sit on a shared file system used by many jobs at
 once: a bundle is written to a temporary file in the same directory and
 renamed into place, so readers never see a partial file, two jobs writing
@@ -20,6 +29,7 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.runtime.report import read_of
 
 
 def cache_dir(option=None):
@@ -43,7 +53,7 @@ def target_path0(args):
 
 def key(args):
     """Return the cache key of running *args* with this Python and sys.path."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     target = args[1] if args[0] in ("-c", "-m") else _os.path.abspath(args[0])
     path = [target_path0(args)] + [_os.path.abspath(p or ".") for p in _sys.path[1:]]
@@ -53,7 +63,7 @@ def key(args):
 
 def bundle_path(args, folder=None):
     """Return the cached bundle's path for *args*."""
-    from mpistage.runtime.format import SUFFIX
+    from mpistage.runtime.bundlefile import SUFFIX
 
     if args[0] == "-m":
         stem = args[1]
@@ -99,8 +109,6 @@ def read_cached(path, check):
 
 def start_recording():
     """Start recording this rank's use of files (a learning run)."""
-    from mpistage.bundle.record import Recorder
-
     return Recorder()
 
 
@@ -110,10 +118,14 @@ def merge(a, b):
 
 
 def save(comm, recorder, path, args, live=None):
-    """Reduce every rank's usage to rank 0, which writes the bundle (collective).
+    """Reduce every rank's usage to rank 0, which has the bundle built (collective).
 
-    After live imports (*live*), paths in the node's copy count as their
-    originals, and rank 0 adds every file the reader served.
+    Rank 0 writes the union to a file beside the cached bundle and runs
+    ``mpistage record --usage FILE`` on it, in a process of its own: the
+    bundle is made by the tool that makes bundles, with none of the
+    program's modules around. After live imports (*live*), paths in a
+    node's copy count as their originals, and rank 0 adds every file the
+    reader served.
     """
     from mpistage.runtime.collective import attempt
 
@@ -122,17 +134,152 @@ def save(comm, recorder, path, args, live=None):
         return live.usage(found) if live is not None else found
 
     usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
+    if comm.rank == 0:
+        usage.update(created_by="auto", processes=comm.size)
+        usage["command"] = ["python", "-m", "mpistage", "--auto", *args]
+    attempt(comm, lambda: build(path, usage) if comm.rank == 0 else None)
 
-    def write():
-        if comm.rank != 0:
+
+def build(path, usage):
+    """Rank 0: write *usage* beside *path*, then build the bundle from it."""
+    import subprocess
+
+    from mpistage import lend, own_module
+
+    json, tempfile = own_module("json"), own_module("tempfile")
+    folder = _os.path.dirname(path)
+    fd, saved = tempfile.mkstemp(dir=folder, prefix=".mpistage-usage-", suffix=".json")
+    try:
+        with _os.fdopen(fd, "w") as f, lend("json"):
+            json.dump(usage, f)
+        command = [_sys.executable, "-m", "mpistage", "record", "--usage", saved]
+        done = subprocess.run(
+            [*command, "-o", path], cwd=folder, capture_output=True, text=True
+        )
+    finally:
+        _os.unlink(saved)
+    if done.returncode:
+        why = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise StageError(f"cannot save the --auto bundle {path!r}: {why}")
+
+
+# -- recording ---------------------------------------------------------------------
+
+
+class Recorder:
+    """Notes the files this process uses; see the module docstring."""
+
+    def __init__(self):
+        self.paths, self.listed = set(), set()
+        self.active = True
+        # Loaded before any runner can act (.pth hooks, the runner itself):
+        # staging them would not help, so they are not recorded.
+        self.preloaded = set(_sys.modules)
+        _sys.addaudithook(self.hook)
+
+    def hook(self, event, args):
+        """Audit hook: remember paths opened for reading, listed or dlopened."""
+        if not self.active:
             return
-        from mpistage.bundle.record import build
+        kind, path = read_of(event, args)
+        if kind is None or (kind == "listing" and by_import_system()):
+            return
+        path = _os.path.normpath(_os.path.abspath(path))
+        (self.listed if kind == "listing" else self.paths).add(path)
 
-        command = ["python", "-m", "mpistage", "--auto", *args]
-        extra = {"command": command, "processes": comm.size}
-        try:
-            build(path, [usage], "package", "auto", extra)
-        except OSError as exc:
-            raise StageError(f"cannot save the --auto bundle {path!r}: {exc}") from None
+    def usage(self):
+        """Stop recording; return what was used, as JSON-ready data."""
+        from mpistage.runtime.bundlefile import python_tag
 
-    attempt(comm, write)
+        self.active = False
+        paths = self.paths | module_files(self.preloaded) | mapped_files()
+        entries = [_os.path.abspath(p or ".") for p in _sys.path]
+        entries += finder_roots(entries)
+        return {
+            "python": python_tag(),
+            "sys_path": entries,
+            "files": sorted(paths),
+            "listed": sorted(self.listed),
+        }
+
+
+def by_import_system():
+    """Whether the audited call came from the import system (its own listings)."""
+    try:
+        frame = _sys._getframe(2)
+    except ValueError:
+        return False
+    return frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def finder_roots(entries):
+    """Return the roots of top-level modules found off ``sys.path``.
+
+    A finder-based editable install (PEP 660) maps a package to its source
+    tree without putting that tree on ``sys.path``; the tree's parent is a
+    root all the same.
+    """
+    found = set()
+    prefixes = tuple(e + _os.sep for e in entries)
+    for name, module in list(_sys.modules.items()):
+        origin = getattr(getattr(module, "__spec__", None), "origin", None)
+        if "." in name or not origin or not _os.path.isabs(origin):
+            continue
+        if origin.startswith(prefixes) or not _os.path.isfile(origin):
+            continue
+        is_package = _os.path.basename(origin).startswith("__init__.")
+        top = _os.path.dirname(origin)
+        found.add(_os.path.dirname(top) if is_package else top)
+    return sorted(found)
+
+
+def module_files(skip=()):
+    """Return the source, bytecode and extension files of loaded modules."""
+    found = set()
+    for name, module in list(_sys.modules.items()):
+        if name in skip:
+            continue
+        spec = getattr(module, "__spec__", None)
+        for path in (getattr(spec, "origin", None), getattr(spec, "cached", None)):
+            if path and _os.path.isabs(path) and _os.path.isfile(path):
+                found.add(_os.path.normpath(path))
+    return found
+
+
+def mapped_files():
+    """Return the files mapped into this process (shared libraries)."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    found.add(fields[5].strip())
+    except OSError:
+        pass
+    return found
+
+
+def start_child(folder):
+    """Record this process; write its usage to *folder* at exit."""
+    import atexit
+
+    recorder = Recorder()
+    atexit.register(save_usage, recorder, folder)
+    return recorder
+
+
+def save_usage(recorder, folder):
+    """Write *recorder*'s usage as ``usage.<pid>.json`` in *folder*.
+
+    It runs at the program's exit: its ``json`` may be the program's own.
+    """
+    from mpistage import lend, own_module
+
+    json = own_module("json")
+
+    path = _os.path.join(folder, f"usage.{_os.getpid()}.json")
+    usage = recorder.usage()
+    with open(path + ".tmp", "w") as f, lend("json"):
+        json.dump(usage, f)
+    _os.replace(path + ".tmp", path)

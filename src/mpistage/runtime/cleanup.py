@@ -21,11 +21,22 @@ Only the process that made a guard ends it: a forked child that exits (or
 gets a signal) leaves its parent's copy alone. Roots that survive even this
 (a launcher that kills a whole step, watchdogs included; a node that
 crashed) are removed by the next job of the same user on the node
-(:func:`mpistage.runtime.place.reap`) or by ``mpistage clean``.
+(:func:`reap_dead_roots`, crash-only cleanup: the rules of ``mpistage
+clean``, same host, leader gone or a zombie, not kept with ``--keep``) or by
+``mpistage clean``.
+
+:func:`remove` is the one way anything staged is deleted. Its walk is a
+loop, not a recursion, and holds two descriptors at most, however deep the
+tree (a bundle, or the program, chooses the depth); it never follows a
+symlink, and it checks that ``..`` leads back to the directory it came from.
 """
 
 import _signal
+import errno as _errno
 import os as _os
+
+from mpistage import StageError
+from mpistage.runtime.place import DIR_FLAGS, check_own, open_safe, read_owner
 
 WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
 SIGNALS = ("SIGTERM", "SIGHUP")
@@ -74,15 +85,13 @@ def guard(root):
 
 def release(root):
     """Remove *root* and retire its watchdog (the normal path, no MPI needed)."""
-    from mpistage.runtime.removal import remove
-
     if root is None or not mine(root):
         return
     remove(root)
     entry = _guarded.pop(root.path, None)
     if entry is not None and entry.pipe is not None:
         _os.close(entry.pipe)
-        reap(entry.pid)
+        collect(entry.pid)
 
 
 def disarm(root):
@@ -92,7 +101,7 @@ def disarm(root):
         return
     _os.kill(entry.pid, _signal.SIGKILL)
     _os.close(entry.pipe)
-    reap(entry.pid)
+    collect(entry.pid)
 
 
 def mine(root):
@@ -101,7 +110,7 @@ def mine(root):
     return entry is None or entry.owner == _os.getpid()
 
 
-def reap(pid):
+def collect(pid):
     """Collect the watchdog's exit status if it ended within a moment."""
     import time
 
@@ -126,3 +135,233 @@ def on_signal(signum, frame):
     release_all()
     _signal.signal(signum, _signal.SIG_DFL)
     _os.kill(_os.getpid(), signum)
+
+
+# -- the program calls MPI.Finalize() itself -------------------------------------
+
+
+def at_finalize(func, comm):
+    """Run *func* inside ``MPI_Finalize`` if the program calls it first.
+
+    MPI runs the delete callbacks of ``COMM_SELF``'s attributes at the start
+    of ``MPI_Finalize``, while it can still communicate, so the end of a job
+    (a report, a learned bundle, the copy's removal) can still be collective
+    there. A failure in *func* is printed on rank 0 of *comm* and aborts the
+    job: a callback must not raise. Returns a function that cancels the
+    watch, for when the job ends by itself.
+    """
+    from mpi4py import MPI
+
+    state = {"done": False}
+
+    def on_finalize(self_comm, keyval, value):
+        if state["done"]:
+            return MPI.SUCCESS
+        state["done"] = True
+        try:
+            func()
+        except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
+            from mpistage.runtime.collective import describe
+
+            if comm.rank == 0:
+                import sys
+
+                print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
+            comm.Abort(1)
+        return MPI.SUCCESS
+
+    keyval = MPI.COMM_SELF.Create_keyval(delete_fn=on_finalize)
+    MPI.COMM_SELF.Set_attr(keyval, None)
+
+    def cancel():
+        if not state["done"] and not MPI.Is_finalized():
+            state["done"] = True
+            MPI.COMM_SELF.Delete_attr(keyval)
+
+    return cancel
+
+
+# -- roots of dead jobs (crash-only cleanup) --------------------------------------
+
+
+def reap_dead_roots(candidate_fd):
+    """Remove this user's roots of dead jobs in a candidate (crash-only cleanup).
+
+    Anything that is not plainly ours is left alone: somebody else's
+    directory, a root without an owner record, or one of a live leader.
+    """
+    for name in user_dirs(candidate_fd):
+        try:
+            fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
+        except OSError:
+            continue
+        try:
+            check_own(_os.fstat(fd), name, True)
+            for dead in list(stale_roots(fd)):
+                remove_entry(fd, dead)
+        except (StageError, OSError):
+            continue  # Not ours, or changing under us: `mpistage clean` remains.
+        finally:
+            _os.close(fd)
+
+
+def user_dirs(fd):
+    """Return this user's directories in the candidate *fd*, private ones too."""
+    user = f"mpistage-{_os.getuid()}"
+    with _os.scandir(fd) as entries:
+        return sorted(
+            e.name for e in entries if e.name == user or e.name.startswith(user + "-")
+        )
+
+
+def stale_roots(fd, kept_too=False):
+    """Yield the roots in this user's directory *fd* whose job is dead here.
+
+    Kept roots (``--keep``) count only with *kept_too* (``mpistage clean``).
+    """
+    host = _os.uname().nodename
+    for name in sorted(_os.listdir(fd)):
+        try:
+            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            owner = read_owner(root_fd)
+        finally:
+            _os.close(root_fd)
+        if not owner or owner.get("host") != host or alive(owner.get("pid")):
+            continue
+        if kept_too or owner.get("keep") != "yes":
+            yield name
+
+
+def alive(pid):
+    """Whether a process with *pid* runs on this host (a zombie does not)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, ValueError, TypeError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+# -- the one removal path ---------------------------------------------------------
+
+
+def remove(root):
+    """Remove the staging directory *root* and everything below it."""
+    if root is None or root.parent_fd is None:
+        return
+    remove_entry(root.parent_fd, root.name)
+    if root.holder is not None:
+        try:
+            _os.rmdir(root.holder[1], dir_fd=root.holder[0])
+        except OSError:
+            pass  # Not empty any more: another root was made there meanwhile.
+    root.close()
+
+
+def remove_path(path):
+    """Remove the staging directory at *path* (found again from its safe parent)."""
+    parent, name = _os.path.split(path)
+    real, fd = open_safe(parent)
+    try:
+        remove_entry(fd, name)
+    finally:
+        _os.close(fd)
+
+
+def empty(fd):
+    """Remove everything inside the directory open as *fd*."""
+    with _os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        remove_entry(fd, name)
+
+
+def remove_entry(parent_fd, name):
+    """Remove *name* below *parent_fd*, with everything below it.
+
+    A loop, not a recursion, holding two descriptors at most: it goes down
+    into the first non-empty directory, and back up through ``..`` once a
+    directory is empty, checking that ``..`` is the directory it came from.
+    No symlink is followed. Another process may be removing the same tree
+    (two ranks of a failing node): what is already gone is not an error.
+    """
+    if unlink_or_rmdir(parent_fd, name):
+        return
+    try:
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    trail = [_os.fstat(fd)]
+    try:
+        while True:
+            child = first_nonempty(fd)
+            if child is not None:
+                fd = descend(fd, child, trail)
+            elif len(trail) > 1:
+                fd = ascend(fd, trail)
+            else:
+                break
+    finally:
+        _os.close(fd)
+    for _attempt in range(3):
+        if unlink_or_rmdir(parent_fd, name):
+            return
+        # A rank still running wrote bytecode meanwhile: empty it again.
+        fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+        try:
+            empty(fd)
+        finally:
+            _os.close(fd)
+
+
+def unlink_or_rmdir(fd, name):
+    """Remove a file, link or empty directory; ``False`` if it is a full directory."""
+    try:
+        _os.unlink(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except (IsADirectoryError, PermissionError):
+        pass
+    try:
+        _os.rmdir(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (_errno.ENOTEMPTY, _errno.EEXIST):
+            return False
+        raise
+
+
+def first_nonempty(fd):
+    """Remove what can go at once below *fd*; return a full subdirectory, or None."""
+    with _os.scandir(fd) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        if not unlink_or_rmdir(fd, name):
+            return name
+    return None
+
+
+def descend(fd, name, trail):
+    """Go down from *fd* into its directory *name*; return the new descriptor."""
+    child = _os.open(name, DIR_FLAGS, dir_fd=fd)
+    _os.close(fd)
+    trail.append(_os.fstat(child))
+    return child
+
+
+def ascend(fd, trail):
+    """Go up from *fd* to its parent, which must be the one we came from."""
+    parent = _os.open("..", DIR_FLAGS, dir_fd=fd)
+    _os.close(fd)
+    trail.pop()
+    st, want = _os.fstat(parent), trail[-1]
+    if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+        _os.close(parent)
+        raise StageError("a directory being removed was moved away")
+    return parent

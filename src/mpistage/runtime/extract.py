@@ -8,7 +8,7 @@ root: every directory is opened relative to its parent's descriptor with
 are set on descriptors or without following links. A symlink member is
 created as it is, but no later member can be written through it, and a
 member that tries is an error. Member paths and root destinations were
-checked by :func:`mpistage.runtime.format.check` (relative, no ``..``).
+checked by :func:`mpistage.runtime.bundlefile.check` (relative, no ``..``).
 """
 
 import errno as _errno

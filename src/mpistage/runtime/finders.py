@@ -11,6 +11,11 @@ they are, and it answers from the staged copy and the manifest's listing:
 - a name the original holds but the bundle lacks is found in the original
   (correct, slower, counted as a miss).
 
+"Holds" is decided as ``FileFinder`` decides it, from the listing of the
+directory (the root's, or for a directory the bundle holds in part, the one
+recorded in the manifest), so a module the bundle does not hold is found
+exactly where plain python finds it.
+
 Which ``__file__`` a served module gets: files that an installed
 distribution owns (site-packages) are served with their staged paths, so C
 extensions find their ``$ORIGIN`` libraries and data read relative to
@@ -20,6 +25,13 @@ files) and the standard library's keep their original ``__file__``: pytest
 and coverage compare it with files they find on disk, and coverage knows
 the standard library by its place. Their bytes still come from the staged
 copy (:class:`TransparentLoader`).
+
+The rest of the import ecosystem is served by wrappers kept here too:
+:class:`MetadataFinder` (``importlib.metadata`` from the staged copy, and
+``pkgutil``/``pkg_resources`` told of the staged roots when imported) and
+:class:`RedirectFinder` (other meta path finders, such as setuptools'
+editable installs, load what they find in a bundled tree from the copy).
+:mod:`~mpistage.runtime.activate` puts them in place and takes them away.
 """
 
 import os as _os
@@ -28,16 +40,33 @@ from importlib.machinery import FileFinder as _FileFinder
 from importlib.machinery import SourceFileLoader as _SourceFileLoader
 
 
-class Root:
+class BundledRoot:
     """What activation knows of one bundled root."""
 
-    def __init__(self, path, staged, listing, partial=(), owned=(), stdlib=False):
+    def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):
         from mpistage.runtime.roots import module_names
 
         self.path, self.staged, self.listing = path, staged, listing
         self.names = module_names(listing)
-        self.partial, self.owned = frozenset(partial), frozenset(owned)
+        self.partial, self.owned = dict(partial or {}), frozenset(owned)
         self.stdlib, self.unbundled_dists = stdlib, False
+
+    def names_in(self, rel):
+        """The names a lookup in directory *rel* of this root may find in the original.
+
+        Empty for a directory the bundle holds whole; for one it holds in
+        part, the names of the listing recorded when it was bundled (the
+        staleness check keeps that true); ``None`` (ask the original every
+        time) when no listing was recorded.
+        """
+        from mpistage.runtime.roots import module_names
+
+        if rel not in self.partial:
+            return frozenset()
+        found = self.partial[rel]
+        if isinstance(found, list):
+            found = self.partial[rel] = frozenset(module_names(found))
+        return found
 
     def transparent(self, rel):
         """Whether the source file *rel* keeps its original ``__file__``."""
@@ -95,7 +124,7 @@ class StagedFinder(_FileFinder):
         Packages imported before activation keep their original ``__path__``;
         their submodules are served from the staged copy all the same. A
         directory the bundle holds whole answers absent names itself; one it
-        holds in part falls back to the original.
+        holds in part falls back to the original for the names it left out.
         """
         if self.staged is None or not path.startswith(self.path + _os.sep):
             return None
@@ -103,8 +132,7 @@ class StagedFinder(_FileFinder):
         inside = _os.path.join(self.staged, rel)
         if not _os.path.isdir(inside):
             return None
-        names = None if rel in self.root.partial else frozenset()
-        return StagedFinder(self.root, path, inside, names)
+        return StagedFinder(self.root, path, inside, self.root.names_in(rel))
 
     def iter_modules(self, prefix=""):
         """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
@@ -123,10 +151,11 @@ class StagedFinder(_FileFinder):
 
     def entries(self):
         """The directory's entries, directories ending in ``/``: listing or copy."""
+        from mpistage.runtime.roots import listing
+
         if self.path == self.root.path:
             return self.root.listing
-        with _os.scandir(self.staged or self.path) as found:
-            return sorted(e.name + "/" if e.is_dir() else e.name for e in found)
+        return listing(self.staged or self.path)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module."""
@@ -202,11 +231,9 @@ class TransparentLoader(_SourceFileLoader):
     def staged_path(self, path):
         """Map a path below the original root to the staged copy."""
         head = self.root.path + _os.sep
-        return (
-            self.root.staged + path[len(self.root.path) :]
-            if path.startswith(head)
-            else path
-        )
+        if self.root.staged is None or not path.startswith(head):
+            return path  # activation has ended: the original is what there is
+        return self.root.staged + path[len(self.root.path) :]
 
     def get_data(self, path):
         """Read *path* from the staged copy."""
@@ -241,3 +268,180 @@ def transparent_spec(spec, root):
     return spec_from_file_location(
         spec.name, original, loader=loader, submodule_search_locations=locations
     )
+
+
+# -- the rest of the ecosystem: metadata, pkgutil, pkg_resources, other finders --
+
+
+class MetadataFinder:
+    """Stands in for ``PathFinder`` in ``sys.meta_path``.
+
+    Finding modules is left to ``PathFinder``; finding distributions
+    (``importlib.metadata``) looks at the staged copy of each bundled root,
+    and at the original after it only when the original holds distributions
+    the bundle lacks. It also lets ``pkgutil`` and ``pkg_resources`` know
+    the staged roots when they are imported.
+    """
+
+    def __init__(self, base, roots):
+        self.base, self.roots = base, roots
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Find a module as ``PathFinder`` does; prepare pkgutil, pkg_resources."""
+        spec = self.base.find_spec(fullname, path, target)
+        if spec is not None and fullname in AFTER_IMPORT:
+            spec.loader = Prepared(spec.loader, fullname, self.roots)
+        return spec
+
+    def find_distributions(self, context=None):
+        """Find distributions, reading bundled roots from their staged copy."""
+        from importlib.metadata import DistributionFinder
+
+        context = context or DistributionFinder.Context()
+        path = metadata_path(context.path, self.roots)
+        return self.base.find_distributions(
+            DistributionFinder.Context(name=context.name, path=path)
+        )
+
+
+def metadata_path(entries, roots, keep=False):
+    """Return *entries* with each bundled root replaced by where its metadata is.
+
+    A root the bundle holds nothing of is dropped when its listing shows no
+    distributions; with *keep*, it stays (``pkg_resources`` also imports
+    through this path while it scans).
+    """
+    path = []
+    for entry in entries:
+        root = roots.get(_os.path.abspath(entry or "."))
+        if root is None or (keep and root.staged is None):
+            path.append(entry)
+        else:
+            path += root.metadata_paths()
+    return path
+
+
+class Prepared:
+    """A loader that runs ``pkgutil`` or ``pkg_resources`` with staged roots known."""
+
+    def __init__(self, loader, name, roots):
+        self.loader, self.name, self.roots = loader, name, roots
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        """Create the module as the real loader does."""
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
+
+        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
+        is imported; scanning the staged copies keeps that node-local.
+        """
+        module.__loader__ = module.__spec__.loader = self.loader
+        saved = _sys.path[:]
+        if self.name == "pkg_resources":
+            _sys.path[:] = metadata_path(saved, self.roots, keep=True)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _sys.path[:] = saved
+        AFTER_IMPORT[self.name](module)
+
+
+def register_pkgutil(pkgutil):
+    """Let ``pkgutil.iter_modules`` list bundled roots from their listings."""
+
+    @pkgutil.iter_importer_modules.register(StagedFinder)
+    def _iter_staged(importer, prefix=""):
+        return importer.iter_modules(prefix)
+
+
+def register_pkg_resources(pkg_resources):
+    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
+
+    def find_staged(importer, path_item, only=False):
+        for path in importer.root.metadata_paths():
+            yield from pkg_resources.find_on_path(importer, path, only)
+
+    pkg_resources.register_finder(StagedFinder, find_staged)
+
+
+AFTER_IMPORT = {"pkgutil": register_pkgutil, "pkg_resources": register_pkg_resources}
+
+
+class RedirectFinder:
+    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
+
+    def __init__(self, base, roots):
+        self.base, self.roots = base, roots
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
+        from importlib.machinery import (
+            ExtensionFileLoader,
+            SourceFileLoader,
+            SourcelessFileLoader,
+        )
+
+        spec = self.base.find_spec(fullname, path, target)
+        plain = (SourceFileLoader, SourcelessFileLoader, ExtensionFileLoader)
+        if spec is None or type(spec.loader) not in plain or not spec.has_location:
+            return spec  # A loader of its own (pytest's rewriting): left alone.
+        return staged_spec(spec, self.roots) or spec
+
+
+def staged_spec(spec, roots):
+    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
+    from importlib.util import spec_from_file_location
+
+    for root in roots.values():
+        if root.staged and spec.origin.startswith(root.path + _os.sep):
+            copy = root.staged + spec.origin[len(root.path) :]
+            if not _os.path.isfile(copy):
+                return None
+            package = spec.submodule_search_locations is not None
+            locations = [_os.path.dirname(copy)] if package else None
+            found = spec_from_file_location(
+                spec.name, copy, submodule_search_locations=locations
+            )
+            rel = copy[len(root.staged) + 1 :]
+            return transparent_spec(found, root) if root.transparent(rel) else found
+    return None
+
+
+def wrap_meta_finders(roots):
+    """Wrap the meta path finders that are not the standard ones; return them."""
+    from importlib.machinery import BuiltinImporter, FrozenImporter
+
+    standard = (BuiltinImporter, FrozenImporter)
+    wrapped = []
+    for index, finder in enumerate(_sys.meta_path):
+        if finder in standard or isinstance(finder, MetadataFinder):
+            continue
+        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
+            continue
+        if not hasattr(finder, "find_spec"):
+            continue
+        _sys.meta_path[index] = RedirectFinder(finder, roots)
+        wrapped.append(_sys.meta_path[index])
+    return wrapped
+
+
+def install_metadata_finder(roots):
+    """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
+    from importlib.machinery import PathFinder
+
+    for index, finder in enumerate(_sys.meta_path):
+        if finder is PathFinder:
+            _sys.meta_path[index] = MetadataFinder(finder, roots)
+            return _sys.meta_path[index]
+    return None

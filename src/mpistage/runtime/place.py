@@ -1,4 +1,4 @@
-"""Where a node's copy lives: safe staging directories, and their removal.
+"""Where a node's copy lives: safe staging directories, per user and per job.
 
 A staging root is ``<candidate>/mpistage-<uid>/job-<job>.n<node>``: per
 user, per job and per (emulated) node, mode 0700. The candidates are the
@@ -12,18 +12,14 @@ the parent's descriptor, never following a symlink, and every component
 must belong to root or to us and must not be writable by others unless it
 is sticky. Below it, everything is created relative to directory
 descriptors opened once: another user can neither swap a component nor
-redirect a file. Deleting is :mod:`~mpistage.runtime.removal`'s.
+redirect a file. Deleting is :mod:`~mpistage.runtime.cleanup`'s.
 
-Two rules keep one user's jobs running whatever else is on the node:
-
-- squatting: when ``mpistage-<uid>`` in a shared candidate belongs to
-  somebody else (or is unsafe), the job uses a private directory with a
-  random name in the same candidate, ``mpistage-<uid>-<random>``, created
-  0700 and checked, and removed with the job's root;
-- crash-only cleanup: a launcher may kill a whole job step, the watchdogs
-  included, so each new job's leader first removes this user's roots of
-  dead jobs on its node (:func:`reap`, the rules of ``mpistage clean``:
-  same host, leader gone or a zombie, not kept with ``--keep``).
+Squatting never stops one user's jobs: when ``mpistage-<uid>`` in a shared
+candidate belongs to somebody else (or is unsafe), the job uses a private
+directory with a random name in the same candidate,
+``mpistage-<uid>-<random>``, created 0700 and checked, and removed with the
+job's root. Roots are deleted, and roots of dead jobs reaped, by
+:mod:`~mpistage.runtime.cleanup`.
 """
 
 import os as _os
@@ -55,17 +51,18 @@ def candidates():
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
 
 
-class Root:
+class StagingDir:
     """A staging directory: its resolved path, and descriptors of it and its parent.
 
     *holder* is ``(descriptor, name)`` of a private per-user directory made
-    for this root alone (see squatting), removed with it.
+    for this root alone (see squatting), removed with it. *reused*: it held
+    the bundle already (``mpistage stage`` into a complete stage of it).
     """
 
-    def __init__(self, path, fd, parent_fd, holder=None):
+    def __init__(self, path, fd, parent_fd, holder=None, reused=False):
         self.path, self.fd, self.parent_fd = path, fd, parent_fd
-        self.name = _os.path.basename(path)
-        self.holder = holder
+        self.name = _os.path.basename(path or "")
+        self.holder, self.reused = holder, reused
 
     def close(self):
         """Close the descriptors (the directory stays)."""
@@ -210,18 +207,21 @@ def room(fd, path, footprint):
 # -- per-job staging roots ------------------------------------------------------
 
 
-def make_root(job, node, footprint, skip=()):
+def make_root(job, node, footprint, skip=(), reap=None):
     """Create this node's staging root in the first usable candidate.
 
-    Candidates in *skip* (resolved paths) are passed over. Returns a
-    :class:`Root`, without its owner record (:func:`write_owner`). Raises
+    Candidates in *skip* (resolved paths) are passed over; *reap*, if given,
+    is first called with each candidate's descriptor (to remove this user's
+    roots of dead jobs there, :func:`mpistage.runtime.cleanup.reap_dead_roots`).
+    Returns a
+    :class:`StagingDir`, without its owner record (:func:`write_owner`). Raises
     :class:`StageError` naming every candidate and why it was refused when
     none can be used.
     """
     refused = []
     for candidate in candidates():
         try:
-            return root_in(candidate, job, node, footprint, skip)
+            return root_in(candidate, job, node, footprint, skip, reap)
         except (StageError, OSError) as exc:
             refused.append(refusal(candidate, exc))
     raise StageError("no usable staging root: " + "; ".join(refused or ["none given"]))
@@ -234,13 +234,14 @@ def refusal(candidate, exc):
     return f"{candidate!r}: {exc.strerror}"
 
 
-def root_in(candidate, job, node, footprint, skip):
-    """Make the job's root below *candidate*; return its :class:`Root`."""
+def root_in(candidate, job, node, footprint, skip, reap=None):
+    """Make the job's root below *candidate*; return its :class:`StagingDir`."""
     real, fd = open_safe(candidate)
     try:
         if real in skip:
             raise StageError(f"{real!r} ran out of space")
-        reap(fd)
+        if reap is not None:
+            reap(fd)
         room(fd, real, footprint)
         user, user_fd, holder = user_dir(fd, real)
     except BaseException:
@@ -253,9 +254,9 @@ def root_in(candidate, job, node, footprint, skip):
         _os.mkdir(name, 0o700, dir_fd=user_fd)
         root_fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
     except BaseException:
-        Root(None, None, user_fd, holder).close()
+        StagingDir(None, None, user_fd, holder).close()
         raise
-    return Root(f"{real}/{user}/{name}", root_fd, user_fd, holder)
+    return StagingDir(f"{real}/{user}/{name}", root_fd, user_fd, holder)
 
 
 def user_dir(fd, real):
@@ -334,72 +335,6 @@ def read_fields(fd, name):
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
 
 
-# -- roots of dead jobs -----------------------------------------------------------
-
-
-def reap(candidate_fd):
-    """Remove this user's roots of dead jobs in a candidate (crash-only cleanup).
-
-    Anything that is not plainly ours is left alone: somebody else's
-    directory, a root without an owner record, or one of a live leader.
-    """
-    from mpistage.runtime.removal import remove_entry
-
-    for name in user_dirs(candidate_fd):
-        try:
-            fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
-        except OSError:
-            continue
-        try:
-            check_own(_os.fstat(fd), name, True)
-            for dead in list(stale_roots(fd)):
-                remove_entry(fd, dead)
-        except (StageError, OSError):
-            continue  # Not ours, or changing under us: `mpistage clean` remains.
-        finally:
-            _os.close(fd)
-
-
-def user_dirs(fd):
-    """Return this user's directories in the candidate *fd*, private ones too."""
-    user = f"mpistage-{_os.getuid()}"
-    with _os.scandir(fd) as entries:
-        return sorted(
-            e.name for e in entries if e.name == user or e.name.startswith(user + "-")
-        )
-
-
-def stale_roots(fd, kept_too=False):
-    """Yield the roots in this user's directory *fd* whose job is dead here.
-
-    Kept roots (``--keep``) count only with *kept_too* (``mpistage clean``).
-    """
-    host = _os.uname().nodename
-    for name in sorted(_os.listdir(fd)):
-        try:
-            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
-        except OSError:
-            continue
-        try:
-            owner = read_owner(root_fd)
-        finally:
-            _os.close(root_fd)
-        if not owner or owner.get("host") != host or alive(owner.get("pid")):
-            continue
-        if kept_too or owner.get("keep") != "yes":
-            yield name
-
-
-def alive(pid):
-    """Whether a process with *pid* runs on this host (a zombie does not)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, ValueError, TypeError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def target_dir(path):
     """Open or create ``mpistage stage --to`` *path* under the safe-directory rule."""
     path = _os.path.abspath(path)
@@ -413,7 +348,7 @@ def target_dir(path):
     except BaseException:
         _os.close(parent_fd)
         raise
-    return Root(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+    return StagingDir(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
 
 
 def job_tag():

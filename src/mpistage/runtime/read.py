@@ -66,7 +66,7 @@ def read_all(fd, size, path):
 
 def read_checked(path, kind="packages"):
     """Read the bundle at *path*; return (bytes, manifest) once all checks pass."""
-    from mpistage.runtime.format import manifest_of, python_mismatch
+    from mpistage.runtime.bundlefile import manifest_of, python_mismatch
 
     buf = read_bundle(path)
     manifest = manifest_of(buf, path)
@@ -97,7 +97,7 @@ def check_kind(manifest, kind, path):
 
 def verify(buf, manifest, path):
     """Check every file member's SHA-256 against the manifest."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     view = memoryview(buf)
     for member in manifest["members"]:
@@ -108,3 +108,27 @@ def verify(buf, manifest, path):
             raise StageError(
                 f"bundle {path!r} is corrupt: checksum mismatch in {member['rel']!r}"
             )
+
+
+def read_manifest(path):
+    """Read only the header and manifest of the bundle at *path*, checked."""
+    from mpistage.runtime.bundlefile import (
+        HEADER_SIZE,
+        check,
+        load_manifest,
+        parse_header,
+    )
+
+    fd = open_regular(path, "bundle")
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
+            f.seek(offset)
+            raw = f.read(length)
+    except OSError as exc:
+        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
+    finally:
+        _os.close(fd)
+    return check(load_manifest(raw, digest, path), offset, path)

@@ -33,21 +33,51 @@ class Watch:
 
     def hook(self, event, args):
         """Audit hook: count opens for reading and listings below an original."""
-        if not self.active or event not in ("open", "os.listdir", "os.scandir"):
+        if not self.active:
             return
-        path = args[0] if args else None
-        if isinstance(path, bytes):
-            path = _os.fsdecode(path)
-        if not isinstance(path, str) or not path.startswith(self.prefixes):
-            return
-        if event == "open" and isinstance(args[1], str) and set(args[1]) & set("wax+"):
-            return
-        self.counts[kind_of(event, path)] += 1
+        kind, path = read_of(event, args)
+        if kind in ("open", "listing") and path.startswith(self.prefixes):
+            self.counts[kind_of(kind, path)] += 1
 
     def stop(self):
         """Stop counting; return the counts."""
         self.active = False
         return self.counts
+
+
+def read_of(event, args):
+    """Return (kind, path) of an audit event that reads a path, else (None, None).
+
+    The kinds: ``open`` (a file opened for reading, whatever the mode's
+    spelling: ``"r"``, or ``os.open`` flags without write access),
+    ``listing`` (``os.listdir``, ``os.scandir``) and ``dlopen`` (a library
+    ``ctypes`` loads by path). The one filter of the report and the recorder.
+    """
+    kind = READ_EVENTS.get(event)
+    path = args[0] if kind and args else None
+    if isinstance(path, bytes):
+        path = _os.fsdecode(path)
+    if not isinstance(path, str) or (kind == "dlopen" and _os.sep not in path):
+        return None, None
+    if kind == "open" and writes(args):
+        return None, None
+    return kind, path
+
+
+READ_EVENTS = {
+    "open": "open",
+    "os.listdir": "listing",
+    "os.scandir": "listing",
+    "ctypes.dlopen": "dlopen",
+}
+
+
+def writes(args):
+    """Whether an ``open`` audit event's (path, mode, flags) opens for writing."""
+    _, mode, flags = args
+    if isinstance(mode, str):
+        return any(c in mode for c in "wax+")
+    return bool(isinstance(flags, int) and flags & (_os.O_WRONLY | _os.O_RDWR))
 
 
 def kind_of(event, path):
@@ -65,8 +95,6 @@ def kind_of(event, path):
 
 def local_facts(session, seconds, watch=None):
     """Return this rank's timings, import counts and original accesses."""
-    from mpistage.runtime.activate import classify
-
     empty = {"served": [], "missed": [], "stdlib": []}
     activation = session.activation if session else None
     modules = classify(activation) if activation else empty
@@ -192,16 +220,40 @@ def emit(report, show):
 
 
 def write_json(path, data):
-    """Write *data* as JSON to *path* atomically."""
-    import json
-    import tempfile
+    """Write *data* as JSON to *path* atomically (with mpistage's own modules)."""
+    from mpistage import lend, own_module
+
+    json, tempfile = own_module("json"), own_module("tempfile")
 
     folder = _os.path.dirname(_os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".mpistage-report-")
     try:
-        with _os.fdopen(fd, "w") as f:
+        with _os.fdopen(fd, "w") as f, lend("json"):
             json.dump(data, f, indent=2)
         _os.replace(tmp, path)
     except BaseException:
         _os.unlink(tmp)
         raise
+
+
+def classify(activation):
+    """Sort modules imported since activation: served, missed, stdlib."""
+    from mpistage.runtime.finders import TransparentLoader
+    from mpistage.runtime.roots import in_stdlib
+
+    served, missed, stdlib = [], [], []
+    root = activation.root + _os.sep
+    for name, module in list(_sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
+        if name in activation.before or name.partition(".")[0] == "mpistage":
+            continue
+        if not origin or not _os.path.isabs(origin):
+            continue
+        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
+            served.append(name)
+        elif in_stdlib(origin):
+            stdlib.append(name)
+        else:
+            missed.append(name)
+    return {"served": served, "missed": missed, "stdlib": stdlib}

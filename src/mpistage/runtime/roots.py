@@ -4,7 +4,8 @@ A *root* is a directory on ``sys.path`` (site-packages, the standard library,
 a ``--path`` tree, the script's directory). Its *listing* is the sorted list
 of its entries, directories ending in ``/``. This module alone decides:
 
-- which top-level module name an entry provides (:func:`top_name`);
+- which top-level module name an entry provides (:func:`top_name`), and
+  which names a lookup in a listed directory finds (:func:`module_names`);
 - whether a path is part of the standard library (:func:`in_stdlib`);
 - which directories a bundle holds only in part (:func:`partial_dirs`);
 - where each root goes below a staging root (:func:`destinations`).
@@ -46,12 +47,30 @@ def top_name(entry, is_dir=None):
 
 
 def module_names(listing):
-    """Return the set of top-level module names a root listing provides."""
-    return {n for n in map(top_name, listing) if n is not None}
+    """Return every name a ``FileFinder`` of a directory with *listing* finds.
+
+    This is the finder's own rule, not :func:`top_name`'s: a directory is
+    found under its name (a package, or a namespace portion), a file under
+    its name less any import suffix, identifier or not, because
+    ``importlib.import_module`` takes any string (``sysconfig`` imports
+    ``_sysconfigdata__linux_x86_64-linux-gnu``). A name outside this set is
+    one plain python would not find in that directory either.
+    """
+    suffixes, names = import_suffixes(), set()
+    for entry in listing:
+        if entry.endswith("/"):
+            names.add(entry[:-1])
+        else:
+            names.update(entry[: -len(s)] for s in suffixes if entry.endswith(s))
+    return names
 
 
 def listing(root):
-    """Return the entries of the directory *root*, directories ending in ``/``."""
+    """Return the entries of the directory *root*, directories ending in ``/``.
+
+    *root* is a path or an open directory descriptor. This is the one form
+    of a listing: in manifests, in staleness checks and in finders.
+    """
     with _os.scandir(root) as entries:
         return sorted(e.name + "/" if e.is_dir() else e.name for e in entries)
 

@@ -23,22 +23,26 @@ import os as _os
 import time as _time
 
 from mpistage import StageError
+from mpistage.runtime.cleanup import at_finalize
 from mpistage.runtime.collective import attempt, barrier
-
-VALIDATE = ("default", "files", "strict", "trust")
 
 
 class Session:
     """A bundle staged on one rank's node, and what it changed."""
 
-    def __init__(self, comm, bundle, validate="default", keep=False):
-        if validate not in VALIDATE:
-            raise ValueError(f"validate={validate!r}: use one of {', '.join(VALIDATE)}")
+    def __init__(self, comm, bundle, validate="default", keep=False, **how):
+        """*how*: ``topology`` (found already), ``watch`` (default ``True``:
+        close inside ``MPI_Finalize`` if the program calls it first; the
+        runner ends the job itself)."""
+        from mpistage.runtime.validate import MODES
+
+        if validate not in MODES:
+            raise ValueError(f"validate={validate!r}: use one of {', '.join(MODES)}")
         self.comm, self.bundle = comm, bundle
         self.validate, self.keep = validate, keep
-        self.topology = self.staged = self.activation = None
-        self.seconds, self.closed, self.on_close = {}, False, []
-        self.finalizing = self.watched = False
+        self.topology, self.watch = how.get("topology"), how.get("watch", True)
+        self.staged = self.activation = self.cancel_watch = None
+        self.seconds, self.closed = {}, False
         self.pid = _os.getpid()
 
     @property
@@ -100,7 +104,8 @@ class Session:
             "stage", stage.settle, topo, buf, manifest, place, self.bundle
         )
         del buf
-        watch_finalize(self)
+        if self.watch:
+            self.cancel_watch = at_finalize(self.close, self.comm)
         self.activation = self.timed(
             "activate", attempt, self.comm, activate, self.staged
         )
@@ -115,8 +120,8 @@ class Session:
         if self.forked:
             self.deactivate()
             return
-        for func in self.on_close:
-            func(self)
+        if self.cancel_watch is not None:
+            self.cancel_watch()
         self.deactivate()
         alive = self.topology is not None and not MPI.Is_finalized()
         if alive:
@@ -141,14 +146,20 @@ class Session:
         if root is not None and not self.keep:
             release(root)
 
+    def leave(self):
+        """Mark the session ended without undoing anything: the job is aborting.
+
+        Each leader's watchdog removes its node's copy once the job is gone.
+        """
+        self.closed = True
+
     def abandon(self):
         """Remove this node's copy now, from any rank: the job is ending badly.
 
         Best effort: what cannot be removed now, the leader's watchdog removes
         when the job is gone.
         """
-        from mpistage.runtime.cleanup import release
-        from mpistage.runtime.removal import remove_path
+        from mpistage.runtime.cleanup import release, remove_path
 
         self.closed = True
         if self.staged is None or self.keep or self.forked:
@@ -160,41 +171,6 @@ class Session:
                 remove_path(self.staged.path)
         except (OSError, StageError):
             pass
-
-
-def watch_finalize(session):
-    """Close *session* inside ``MPI_Finalize`` if the program calls it first."""
-    from mpi4py import MPI
-
-    if session.watched:
-        return
-    session.watched = True
-
-    def on_finalize(comm, keyval, value):
-        session.finalizing = True
-        try:
-            session.close()
-        except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
-            from mpistage.runtime.collective import describe
-
-            if session.comm.rank == 0:
-                import sys
-
-                print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
-            session.comm.Abort(1)
-        return MPI.SUCCESS
-
-    keyval = MPI.COMM_SELF.Create_keyval(delete_fn=on_finalize)
-    MPI.COMM_SELF.Set_attr(keyval, session)
-    session.on_close.append(lambda s: forget_keyval(s, keyval))
-
-
-def forget_keyval(session, keyval):
-    """Detach the finalize callback once the session closed by itself."""
-    from mpi4py import MPI
-
-    if not session.finalizing and not MPI.Is_finalized():
-        MPI.COMM_SELF.Delete_attr(keyval)
 
 
 @_contextlib.contextmanager

@@ -19,10 +19,36 @@ class Staged:
 
     def __init__(self, path, manifest, nbytes, root=None):
         self.path, self.manifest, self.nbytes = path, manifest, nbytes
-        self.root = root  # the place.Root, on the node's leader only
+        self.root = root  # the place.StagingDir, on the node's leader only
 
 
-class JobPlace:
+class Place:
+    """Where a node's copy goes: what the pipeline asks of it, on each leader.
+
+    :func:`leader_extract` calls :meth:`make` for a directory to extract
+    into, then :meth:`done`; on a full file system :meth:`retry` says
+    whether to make another, and on any failure :meth:`discard` takes the
+    directory away. A place may hand back a directory that already holds
+    this bundle (``reused``): nothing is extracted into it.
+    """
+
+    def make(self, buf, footprint):
+        """Return a :class:`~mpistage.runtime.place.StagingDir` for the bundle *buf*."""
+        raise NotImplementedError
+
+    def retry(self, root):
+        """*root*'s file system is full: return whether to make another."""
+        return False
+
+    def done(self, root, buf):
+        """The bundle is in *root*."""
+
+    def discard(self, root):
+        """Take *root* away after a failure."""
+        raise NotImplementedError
+
+
+class JobPlace(Place):
     """The runner's place: a fresh per-job root in the first usable candidate.
 
     The root is guarded (:mod:`~mpistage.runtime.cleanup`) as soon as it
@@ -36,10 +62,12 @@ class JobPlace:
 
     def make(self, buf, footprint):
         """Create, guard and return this node's staging root."""
-        from mpistage.runtime.cleanup import guard
+        from mpistage.runtime.cleanup import guard, reap_dead_roots
         from mpistage.runtime.place import make_root, write_owner
 
-        root = make_root(self.tag, self.node, footprint, skip=self.full)
+        root = make_root(
+            self.tag, self.node, footprint, skip=self.full, reap=reap_dead_roots
+        )
         guard(root)
         write_owner(root, self.tag)
         return root
@@ -127,7 +155,7 @@ def leader_extract(topo, buf, manifest, place, name, holder):
     footprint = Footprint(manifest)
     while True:
         root = place.make(buf, footprint)
-        if getattr(root, "reused", False):
+        if root.reused:
             holder.append(root)
             return
         try:

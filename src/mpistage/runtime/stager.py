@@ -20,6 +20,7 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.runtime.stage import Place
 
 MARKER = ".mpistage-stage"
 USAGE = """\
@@ -56,7 +57,7 @@ def parse(argv):
 
 def manifest_digest(buf):
     """Return the bundle's identity: its manifest's SHA-256 from the header."""
-    from mpistage.runtime.format import HEADER
+    from mpistage.runtime.bundlefile import HEADER
 
     return HEADER.unpack_from(buf)[-1].hex()
 
@@ -66,7 +67,7 @@ def node_dir(template, index):
     return _os.path.abspath(template.replace("{node}", str(index)))
 
 
-class TargetPlace:
+class TargetPlace(Place):
     """The stager's place: ``DIR`` itself, empty or a stage of this bundle."""
 
     def __init__(self, folder):
@@ -99,9 +100,9 @@ class TargetPlace:
 
     def discard(self, root):
         """Empty ``DIR`` after a failed stage; the directory itself stays."""
-        from mpistage.runtime.removal import empty
+        from mpistage.runtime.cleanup import empty
 
-        if not getattr(root, "reused", False):
+        if not root.reused:
             empty(root.fd)
         root.close()
 
@@ -156,7 +157,7 @@ def stage_env(world, bundle, template):
     topo = attempt(world, discover, world)
     folder = node_dir(template, topo.index)
     staged = stage.stage(topo, bundle, TargetPlace(folder), kind="env")
-    reused = getattr(staged.root, "reused", False) if staged.root else None
+    reused = staged.root.reused if staged.root else None
     reused = world.gather(reused, root=0)
     if staged.root is not None:
         staged.root.close()

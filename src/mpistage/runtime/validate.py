@@ -4,15 +4,21 @@ Rank 0 alone runs this, after reading the bundle and before the broadcast,
 so the originals are looked at once per job, never once per rank. Its cost
 is O(distributions + directories), not O(files), in the default mode:
 
-- ``default``: each bundled
-  distribution's identity (inode, size and mtime of its ``RECORD``), each
-  bundled directory's mtime (a file added, removed or replaced changes it),
-  and the size and mtime of every file that no installed distribution owns
-  (the user's own source, ``--path`` trees). pip and conda replace files and
-  directories; they never edit a file in place, so a distribution whose
-  ``RECORD`` and directories are unchanged is unchanged. The standard
-  library changes only with the interpreter: its roots are checked by their
-  listing and the identity of ``os.py`` (``lib-dynload``: of the directory);
+- ``default``: for each root the bundle holds, its own identity (inode),
+  the set of its ``.pth`` files, each bundled distribution's identity
+  (inode, size and mtime of its ``RECORD``), the mtime of each directory
+  the bundle holds whole or in part (a file added, removed or replaced by
+  rename changes it), the inode of each member directly in the root (a
+  rename-replace there changes only that), and the size and mtime of every
+  file that no installed distribution owns (the user's own source,
+  ``--path`` trees). pip and conda replace files and directories; they
+  never edit a file in place, so a distribution whose ``RECORD`` and
+  directories are unchanged is unchanged. The standard library changes
+  only with the interpreter: its roots are checked by their own mtime (not
+  the inode of each member), the identity of ``os.py`` (``lib-dynload``:
+  of the directory) and the mtime of its bundled directories. What this
+  misses is an edit in place of an installed file, or of a standard library
+  file, that leaves its directory alone;
 - ``files``: the size and mtime of every file too;
 - ``strict``: also every file's SHA-256, which catches a change that kept
   size and mtime;
@@ -59,12 +65,13 @@ def changed_in_root(manifest, index, mode, limit):
         root["listing"] = []
         return [root["path"]] if held else []
     try:
+        recorded = root.get("listing", [])
         refresh_listing(fd, root)
-        if stamp_changed(fd, root):
+        if stamp_changed(fd, root) or (held and root_changed(fd, root)):
             return [root["path"]]
-        if root.get("stdlib") and mode == "default":
+        if not held:
             return []
-        found = [d for d in changed_dists(fd, root)][:limit]
+        found = pth_changed(root, recorded) + list(changed_dists(fd, root))
         dirs = PathFds(fd)
         try:
             for member in members_to_check(manifest, index, mode):
@@ -72,19 +79,19 @@ def changed_in_root(manifest, index, mode, limit):
                     break
                 if member_changed(fd, member, mode == "strict", dirs):
                     found.append(root["path"] + "/" + member["rel"])
+            found += partial_changed(manifest, index, dirs, limit - len(found))
         finally:
             dirs.close()
-        return found
+        return found[:limit]
     finally:
         _os.close(fd)
 
 
 def refresh_listing(fd, root):
     """Replace the root's recorded listing with what it holds now."""
-    with _os.scandir(fd) as entries:
-        root["listing"] = sorted(
-            e.name + "/" if e.is_dir() else e.name for e in entries
-        )
+    from mpistage.runtime.roots import listing
+
+    root["listing"] = listing(fd)
 
 
 def stamp_changed(fd, root):
@@ -97,6 +104,50 @@ def stamp_changed(fd, root):
     except OSError:
         return True
     return [st.st_ino, st.st_size, st.st_mtime_ns] != identity
+
+
+def root_changed(fd, root):
+    """Whether a bundled root was replaced (inode), or a stdlib root changed (mtime).
+
+    A standard library root changes only with the interpreter, so its own
+    mtime stands for every add, remove and rename among its entries; a
+    site-packages directory changes with every install.
+    """
+    if "identity" not in root:
+        return False
+    st = _os.fstat(fd)
+    ino, mtime_ns = root["identity"]
+    return st.st_ino != ino or bool(root.get("stdlib")) and st.st_mtime_ns != mtime_ns
+
+
+def pth_changed(root, recorded):
+    """Return the ``.pth`` files added to or removed from the root since bundling.
+
+    They run at every interpreter start and change ``sys.path``.
+    """
+    before = {e for e in recorded if e.endswith(".pth")}
+    now = {e for e in root["listing"] if e.endswith(".pth")}
+    return [f"{root['path']}/{name}" for name in sorted(before ^ now)]
+
+
+def partial_changed(manifest, index, dirs, limit):
+    """Return the directories held only in part whose recorded listing changed."""
+    if limit <= 0:
+        return []
+    members = {m["rel"] for m in manifest["members"] if m["root"] == index}
+    root, found = manifest["roots"][index], []
+    for rel, info in sorted(root.get("partial", {}).items()):
+        if rel in members:
+            continue  # a directory member: checked with the members
+        try:
+            changed = dirs.stat(rel).st_mtime_ns != info["mtime_ns"]
+        except OSError:
+            changed = True
+        if changed:
+            found.append(f"{root['path']}/{rel}")
+            if len(found) >= limit:
+                break
+    return found
 
 
 def changed_dists(fd, root):
@@ -112,11 +163,19 @@ def changed_dists(fd, root):
 
 
 def members_to_check(manifest, index, mode):
-    """Yield the members of root *index* that *mode* compares one by one."""
+    """Yield the members of root *index* that *mode* compares one by one.
+
+    The default mode compares directories and, outside the standard
+    library (whose root's mtime and ``os.py`` stand for its files), the
+    files no distribution owns and the members directly in the root.
+    """
+    stdlib = bool(manifest["roots"][index].get("stdlib"))
     for member in manifest["members"]:
         if member["root"] != index or "__pycache__" in member["rel"].split("/"):
             continue
-        if member["type"] == "dir" or mode != "default" or not member.get("owned"):
+        if mode != "default" or member["type"] == "dir":
+            yield member
+        elif not stdlib and (not member.get("owned") or "ino" in member):
             yield member
 
 
@@ -129,6 +188,8 @@ def member_changed(fd, member, strict, dirs=None):
             else _os.stat(member["rel"], dir_fd=fd, follow_symlinks=False)
         )
     except OSError:
+        return True
+    if "ino" in member and st.st_ino != member["ino"]:
         return True
     if member["type"] == "dir":
         return st.st_mtime_ns != member["mtime_ns"]
@@ -181,7 +242,7 @@ class PathFds:
 
 def digest(fd, rel):
     """Return the SHA-256 of the file *rel* below the directory *fd*."""
-    from mpistage.runtime.format import sha256
+    from mpistage.runtime.bundlefile import sha256
 
     sha = sha256()
     flags = _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NONBLOCK  # a FIFO must not hang

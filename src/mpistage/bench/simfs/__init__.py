@@ -63,25 +63,12 @@ counters), :mod:`.mount` (what is mounted where, unmounting),
 """
 
 from mpistage.bench.simfs.cli import cli_simfs, cli_stats, cli_unmount, main
-from mpistage.bench.simfs.client import SimFS, read_stats, reset_stats
-from mpistage.bench.simfs.common import (
-    DEFAULT_LATENCY,
-    FS_TYPE,
-    RESET_FILE,
-    STATS_FILE,
-    SimFSError,
-    format_bandwidth,
-    format_latency,
-    fuse_available,
-    parse_bandwidth,
-    parse_latency,
-)
+from mpistage.bench.simfs.client import SimFS, meta_ops, read_ops, read_stats
+from mpistage.bench.simfs.common import FS_TYPE, STATS_FILE, SimFSError, fuse_available
 from mpistage.bench.simfs.mount import detached_log_path, mount_type, unmount_path
 
 __all__ = [
-    "DEFAULT_LATENCY",
     "FS_TYPE",
-    "RESET_FILE",
     "STATS_FILE",
     "SimFS",
     "SimFSError",
@@ -89,14 +76,11 @@ __all__ = [
     "cli_stats",
     "cli_unmount",
     "detached_log_path",
-    "format_bandwidth",
-    "format_latency",
     "fuse_available",
     "main",
+    "meta_ops",
     "mount_type",
-    "parse_bandwidth",
-    "parse_latency",
+    "read_ops",
     "read_stats",
-    "reset_stats",
     "unmount_path",
 ]

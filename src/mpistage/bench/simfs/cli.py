@@ -9,19 +9,22 @@ from mpistage.bench.simfs.client import SimFS, read_stats, reset_stats
 from mpistage.bench.simfs.common import (
     DEFAULT_LATENCY,
     FS_TYPE,
+    MOUNT_TIMEOUT,
     PROG,
     STATS_FILE,
     SimFSError,
-    format_bandwidth,
-    format_latency,
     fuse_available,
-    parse_bandwidth,
-    parse_latency,
 )
 from mpistage.bench.simfs.mount import detached_log_path, mount_type, unmount_path
+from mpistage.bench.units import (
+    format_bandwidth,
+    format_time,
+    parse_bandwidth,
+    parse_time,
+)
 
 
-class _Parser(argparse.ArgumentParser):
+class _SimFSParser(argparse.ArgumentParser):
     """An argument parser whose errors become :class:`SimFSError`."""
 
     def error(self, message):
@@ -30,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _latency_arg(text):
     try:
-        return parse_latency(text)
+        return parse_time(text, "latency")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -56,7 +59,7 @@ def _run(parser, argv, action):
 
 
 def _simfs_parser():
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench simfs",
         description="Mount a read-only mirror of SRC at MOUNTPOINT "
         "that serves metadata operations one at a time.",
@@ -88,8 +91,8 @@ def _simfs_parser():
     parser.add_argument(
         "--timeout",
         type=float,
-        default=10.0,
-        help="seconds to wait for the mount (default: 10)",
+        default=MOUNT_TIMEOUT,
+        help=f"seconds to wait for the mount (default: {MOUNT_TIMEOUT:g})",
     )
     return parser
 
@@ -98,7 +101,7 @@ def _describe(args):
     bandwidth = format_bandwidth(args.bandwidth)
     caches = "on" if args.cache else "off"
     return (
-        f"latency {format_latency(args.latency)}, bandwidth {bandwidth}, "
+        f"latency {format_time(args.latency)}, bandwidth {bandwidth}, "
         f"kernel caches {caches}"
     )
 
@@ -159,7 +162,7 @@ def _unmount_action(args):
 
 def cli_unmount(argv):
     """``mpistage bench unmount MOUNTPOINT``: unmount a simfs; exit status."""
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench unmount",
         description="Unmount a simfs mount (its server then exits).",
     )
@@ -182,7 +185,7 @@ def _stats_action(args):
 
 def cli_stats(argv):
     """``mpistage bench stats [--reset] MOUNTPOINT``: print the counters as JSON."""
-    parser = _Parser(
+    parser = _SimFSParser(
         prog="mpistage bench stats",
         description="Print the operation counters of a simfs mount.",
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 from mpistage.bench.simfs.common import (
     DEFAULT_LATENCY,
     FS_TYPE,
+    MOUNT_TIMEOUT,
     RESET_FILE,
     STATS_FILE,
     SimFSError,
@@ -23,6 +24,11 @@ from mpistage.bench.simfs.mount import (
     unmount_path,
 )
 
+POLL_INTERVAL = 0.02  # seconds between looks at a mount that is coming up
+STOP_WAIT = 5.0  # seconds the server has to exit once unmounted
+GIVE_UP_WAIT = 1.0  # the same, after a mount that failed
+TERM_WAIT = 2.0  # seconds the server has to exit after SIGTERM
+
 
 def read_stats(mountpoint):
     """Return the counters of the simfs mounted at *mountpoint*."""
@@ -33,6 +39,17 @@ def reset_stats(mountpoint):
     """Reset the counters of the simfs mounted at *mountpoint*."""
     with open(Path(mountpoint, RESET_FILE), "rb"):
         pass
+
+
+def meta_ops(counts):
+    """Return the metadata operations (all but data reads) in *counts*."""
+    ops = counts.get("ops", {})
+    return sum(ops.values()) - ops.get("read", 0)
+
+
+def read_ops(counts):
+    """Return the data reads in *counts*."""
+    return counts.get("ops", {}).get("read", 0)
 
 
 class SimFS:
@@ -83,7 +100,7 @@ class SimFS:
             command += ["--bandwidth", f"{float(self.bandwidth)!r}"]
         return command + (["--cache"] if self.cache else [])
 
-    def mount(self, timeout=10.0, *, detach=False):
+    def mount(self, timeout=MOUNT_TIMEOUT, *, detach=False):
         """Start the server and wait until the mount is live; return self.
 
         With *detach* the server gets its own session and outlives this
@@ -97,7 +114,7 @@ class SimFS:
         try:
             self._wait_live(timeout)
         except BaseException:
-            self.unmount(timeout=1.0)
+            self.unmount(timeout=GIVE_UP_WAIT)
             raise
         return self
 
@@ -108,9 +125,8 @@ class SimFS:
         else:
             fd, self.log_path = tempfile.mkstemp(prefix="simfs-", suffix=".log")
         env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[3])
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH")) if p
+            p for p in (package_root(), env.get("PYTHONPATH")) if p
         )
         with os.fdopen(fd, "w") as log:
             self.process = subprocess.Popen(
@@ -136,7 +152,7 @@ class SimFS:
                     f"simfs did not come up at {str(self.mountpoint)!r} "
                     f"within {timeout:g} s"
                 )
-            time.sleep(0.02)
+            time.sleep(POLL_INTERVAL)
 
     def is_live(self):
         """True if simfs is mounted here and answers (no counted operation)."""
@@ -148,7 +164,7 @@ class SimFS:
             return False
         return True
 
-    def unmount(self, timeout=5.0):
+    def unmount(self, timeout=STOP_WAIT):
         """Unmount and stop the server; safe to call more than once."""
         try:
             if mount_type(self.mountpoint) == FS_TYPE:
@@ -164,7 +180,7 @@ class SimFS:
             except subprocess.TimeoutExpired:
                 process.terminate()  # libfuse unmounts on SIGTERM
                 try:
-                    process.wait(2.0)
+                    process.wait(TERM_WAIT)
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
@@ -179,6 +195,13 @@ class SimFS:
     def reset(self):
         """Reset the operation counters."""
         reset_stats(self.mountpoint)
+
+
+def package_root():
+    """Return the directory that holds this mpistage, for the server to import."""
+    import mpistage
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(mpistage.__file__)))
 
 
 def last_line(path):

@@ -9,6 +9,9 @@ import tempfile
 
 from mpistage.bench.simfs.common import FS_TYPE, SimFSError
 
+MOUNTINFO_MOUNT_POINT = 4  # field 5 of a /proc/self/mountinfo line (proc(5))
+LOG_DIGEST = 12  # hex digits of the mount point's hash in a log's name
+
 
 def _canonical(path):
     """Absolute, symlink-free *path*, without touching *path* itself.
@@ -32,7 +35,7 @@ def mount_type(path):
         for line in mountinfo:
             fields = line.split()
             sep = fields.index("-")
-            if _unescape(fields[4]) == target:
+            if _unescape(fields[MOUNTINFO_MOUNT_POINT]) == target:
                 found = fields[sep + 1]
     return found
 
@@ -77,5 +80,5 @@ def unmount_path(mountpoint):
 
 def detached_log_path(mountpoint):
     """Where a background server for *mountpoint* logs (removed on unmount)."""
-    digest = hashlib.sha1(_canonical(mountpoint).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(_canonical(mountpoint).encode()).hexdigest()[:LOG_DIGEST]
     return os.path.join(tempfile.gettempdir(), f"simfs-{digest}.log")

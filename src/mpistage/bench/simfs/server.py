@@ -227,7 +227,8 @@ class MirrorOps:
         return os.path.join(self.src, path.lstrip("/"))
 
     def _tid(self):
-        return self._context()[2]
+        _uid, _gid, tid = self._context()  # fuse_get_context(): the calling thread
+        return tid
 
     def _owner(self, kind, handle):
         """The thread that opened *handle*: the kernel sends closes as pid 0."""

@@ -12,7 +12,8 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import StageError
+from mpistage import COMMANDS, StageError
+from mpistage.runtime.validate import MODES
 
 USAGE = """\
 usage: python -m mpistage [options] <app.py> [arg] ...
@@ -40,8 +41,9 @@ environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
 MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle).
 
-tools: mpistage {pack,record,inspect,stage,run,clean,bench} --help"""
+tools: mpistage {%s} --help"""
 
+USAGE %= ",".join(COMMANDS)
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
 
@@ -81,7 +83,7 @@ def parse(argv):
         usage_error("no target: give app.py, -m module or -c code")
     if args[0] in ("-m", "-c") and len(args) < 2:
         usage_error(f"{args[0]} needs an argument")
-    if options.validate not in ("default", "files", "strict", "trust"):
+    if options.validate not in MODES:
         usage_error(f"--validate={options.validate!r}: use default, files or strict")
     if options.auto and options.bundle:
         usage_error("--auto and --bundle exclude each other")
@@ -116,33 +118,54 @@ def take_option(options, args):
 
 
 class Runner:
-    """One run of the runner on one rank: the session, the target, the end."""
+    """One run of the runner on one rank: the session, the target, the end.
+
+    The runner drives a :class:`~mpistage.runtime.session.Session` and
+    never the other way round: it finds the nodes, chooses the bundle
+    (``--bundle``, or the ``--auto`` cache), hands both to the session, runs
+    the target, and ends the job (report, learned bundle, the session's
+    close), also inside ``MPI_Finalize`` when the program calls it first.
+    """
 
     def __init__(self, world, options, args):
-        from mpistage.runtime.session import Session
-
         self.world, self.options, self.args = world, options, list(args)
-        self.session = Session(world, options.bundle, options.validate, options.keep)
-        self.session.on_close.append(self.wrap_up)
-        self.recorder, self.auto, self.status, self.watch = None, None, 0, None
-        self.live = None
+        self.session = self.recorder = self.auto = self.watch = None
+        self.status, self.ended, self.cancel_watch = 0, False, None
+        self.seconds, self.live = {}, None
 
     def start(self):
-        """Check the target, then stage (or, with ``--auto``, maybe record)."""
+        """Check the target, find the nodes, stage (or, with ``--auto``, record)."""
+        from mpistage.runtime.cleanup import at_finalize
         from mpistage.runtime.collective import attempt
+        from mpistage.runtime.topology import discover
 
         attempt(self.world, self.check_target)
-        self.session.discover()
+        begun = _time.perf_counter()
+        topology = attempt(self.world, discover, self.world)
+        self.seconds["topology"] = _time.perf_counter() - begun
+        bundle = self.auto_bundle() if self.options.auto else self.options.bundle
+        self.session = self.new_session(bundle, topology)
         if self.options.auto:
             self.start_auto()
-        elif self.options.bundle:
+        elif bundle:
             self.session.start()
         else:
             self.start_live()
+        self.cancel_watch = at_finalize(self.end, self.world)
         if self.reporting() and self.session.staged is not None:
             from mpistage.runtime.report import Watch
 
             self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+
+    def new_session(self, bundle, topology):
+        """Return the session of *bundle* on the nodes of *topology*."""
+        from mpistage.runtime.session import Session
+
+        options = self.options
+        return Session(
+            self.world, bundle, options.validate, options.keep,
+            topology=topology, watch=False,
+        )  # fmt: skip
 
     def reporting(self):
         """Whether a report was asked for (``--report`` or ``MPISTAGE_REPORT``)."""
@@ -155,6 +178,19 @@ class Runner:
             if not _os.path.isfile(script):
                 raise StageError(f"can't open file {script!r}: no such file")
 
+    def auto_bundle(self):
+        """Return the ``--auto`` cache's bundle path for this target (agreed)."""
+        from mpistage.runtime import auto
+        from mpistage.runtime.broadcast import share
+        from mpistage.runtime.collective import attempt
+
+        def on_rank0():
+            if self.world.rank != 0:
+                return None
+            return auto.bundle_path(self.args, self.options.cache_dir)
+
+        return share(self.world, attempt(self.world, on_rank0))
+
     def start_auto(self):
         """Replay the cached bundle, or record this run when there is none."""
         from mpistage.runtime import auto
@@ -162,44 +198,29 @@ class Runner:
         from mpistage.runtime.collective import attempt
 
         session, rank0 = self.session, self.world.rank == 0
-        session.discover()
-        path = attempt(
-            self.world,
-            lambda: (
-                auto.bundle_path(self.args, self.options.cache_dir) if rank0 else None
-            ),
-        )
-        session.bundle = path = share(self.world, path)
         buf, manifest, verdict = attempt(
             self.world,
-            lambda: auto.read_cached(path, session.staleness) if rank0 else (None,) * 3,
+            lambda: (
+                auto.read_cached(session.bundle, session.staleness)
+                if rank0
+                else (None,) * 3
+            ),
         )
         verdict = share(self.world, verdict)
         self.auto = verdict or "replayed"
         if verdict:
-            from mpistage.runtime.session import watch_finalize
-
             self.start_live()
             self.recorder = auto.start_recording()
-            watch_finalize(session)
         else:
             session.spread(buf, manifest)
 
-    # -- live imports (no bundle; the first --auto run) ------------------------
-
     def start_live(self):
-        """Serve imports live (:mod:`~mpistage.runtime.live`) unless switched off."""
+        """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off."""
         from mpistage.runtime.live import LiveSession, wanted
-        from mpistage.runtime.session import watch_finalize
 
-        if not wanted(self.world):
-            return
-        self.live = LiveSession(self.session, self.args)
-        if self.live.start():
-            self.session.on_close.insert(0, self.live.close)
-            watch_finalize(self.session)
-
-    # -- the program --------------------------------------------------------------
+        if wanted(self.world):
+            self.live = LiveSession(self.session, self.args)
+            self.live.start()
 
     def run(self):
         """Run the target like ``python -m mpi4py``; end the job if it fails."""
@@ -212,7 +233,7 @@ class Runner:
                 self.abort(exc)
         except BaseException as exc:
             self.abort(exc)
-        self.session.seconds["run"] = _time.perf_counter() - start
+        self.seconds["run"] = _time.perf_counter() - start
 
     def abort(self, exc):
         """Show what went wrong and end the whole job.
@@ -223,7 +244,8 @@ class Runner:
         """
         from mpistage.runtime.collective import abort
 
-        forked, self.session.closed = self.session.forked, True
+        forked = self.session.forked
+        self.session.leave()
         if isinstance(exc, SystemExit):
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=_sys.stderr)
@@ -237,21 +259,42 @@ class Runner:
         abort(self.world, exit_status(exc))
 
     def finish(self):
-        """Report, save a learned bundle, remove the copy; return the status."""
-        self.session.close()
+        """End the job (unless it ended inside ``MPI_Finalize``); return the status."""
+        self.end()
         return self.status
 
-    def wrap_up(self, session):
-        """At close (or inside ``MPI_Finalize``): save what was learned, report."""
+    def end(self):
+        """Save what was learned, report, close the session: once, collectively.
+
+        It runs after the target, or inside ``MPI_Finalize`` if the program
+        calls it first; a forked child of the program only lets go locally.
+        """
+        if self.ended:
+            return
+        self.ended = True
+        if self.session.forked:
+            self.session.close()
+            return
+        self.cancel_watch()
+        if self.live is not None:
+            self.live.close()  # its relays end first; the report counts them
+        self.wrap_up()
+        self.session.close()
+
+    def wrap_up(self):
+        """Save what was learned (``--auto``), then report, if asked."""
         from mpistage.runtime import report
 
         if self.recorder is not None:
             from mpistage.runtime import auto
 
-            auto.save(self.world, self.recorder, session.bundle, self.args, self.live)
+            auto.save(
+                self.world, self.recorder, self.session.bundle, self.args, self.live
+            )
         if not self.reporting():
             return
-        facts = report.local_facts(session, session.seconds, self.watch)
+        seconds = {**self.session.seconds, **self.seconds}
+        facts = report.local_facts(self.session, seconds, self.watch)
         facts["live"] = self.live.facts() if self.live else None
         ranks = self.world.gather(facts, root=0)
         if self.world.rank == 0:
@@ -293,7 +336,39 @@ def run_command_line(args):
         runpy.run_module(_sys.argv[0], run_name="__main__", alter_sys=True)
     else:
         _sys.path[0] = _os.path.realpath(_os.path.dirname(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+        run_script(args[0])
+
+
+def run_script(path):
+    """Run the script *path* as ``__main__``, as ``runpy.run_path`` does.
+
+    A source file is compiled and run here: ``run_path`` imports ``pkgutil``
+    (and with it ``typing`` and ``weakref``) first, which plain ``python
+    app.py`` does not, and the program must find in ``sys.modules`` what
+    plain python leaves there. Compiled files, directories and zip files
+    go to ``run_path``.
+    """
+    import runpy
+    from importlib.util import MAGIC_NUMBER
+
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError:
+        source = None
+    if source is None or source[:4] == MAGIC_NUMBER or is_zip(source):
+        runpy.run_path(path, run_name="__main__")
+        return
+    code = compile(source, path, "exec", dont_inherit=True)
+    runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=path)
+
+
+def is_zip(data):
+    """Whether *data* is a zip archive (``zipapp``'s, perhaps after a ``#!`` line).
+
+    Its end-of-directory record lies in the last 64 KiB and 22 bytes.
+    """
+    return b"PK\x05\x06" in data[-(1 << 16) - 22 :]
 
 
 def main(world, argv):
@@ -332,7 +407,8 @@ def leave_child(status):
 
 def fail(runner, error):
     """End every rank after an agreed error: one line, cleanup, exit 1."""
-    runner.session.abandon()
+    if runner.session is not None:
+        runner.session.abandon()
     if runner.world.rank == 0:
         print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
     _sys.exit(1)

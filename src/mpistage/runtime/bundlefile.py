@@ -27,7 +27,6 @@ wrong before any rank acts on it, so extraction may rely on its shape:
 The writer is :mod:`mpistage.bundle.writer`.
 """
 
-import os as _os
 import struct as _struct
 import sys as _sys
 
@@ -93,22 +92,27 @@ def sha256(data=b""):
 
     Rank 0 needs only SHA-256; ``_hashlib`` alone spares it ``hashlib`` and
     the modules it loads, some fifty operations on a shared file system.
+    Both are mpistage's own copies (:func:`mpistage.own_module`): the
+    program's ``sys.modules`` stays as plain python would have it.
     """
+    from mpistage import own_module
+
     try:
-        from _hashlib import openssl_sha256
+        return own_module("_hashlib").openssl_sha256(data)
     except ImportError:
-        from hashlib import sha256 as openssl_sha256
-    return openssl_sha256(data)
+        return own_module("hashlib").sha256(data)
 
 
 def load_manifest(raw, digest, name):
     """Decode the manifest bytes *raw* after checking them against *digest*."""
-    import json
+    from mpistage import lend, own_module
 
+    json = own_module("json")
     if sha256(raw).digest() != digest:
         raise StageError(f"bundle {name!r} is corrupt: manifest checksum mismatch")
     try:
-        manifest = json.loads(bytes(raw))
+        with lend("json"):
+            manifest = json.loads(bytes(raw))
     except ValueError as exc:
         raise StageError(f"bundle {name!r} is malformed: manifest: {exc}") from None
     except RecursionError:
@@ -123,25 +127,6 @@ def manifest_of(buf, name):
     offset, length, digest = parse_header(buf[:HEADER_SIZE], len(buf), name)
     raw = memoryview(buf)[offset : offset + length]
     return check(load_manifest(raw, digest, name), offset, name)
-
-
-def read_manifest(path):
-    """Read only the header and manifest of the bundle at *path*, checked."""
-    from mpistage.runtime.read import open_regular
-
-    fd = open_regular(path, "bundle")
-    try:
-        with open(fd, "rb", closefd=False) as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            offset, length, digest = parse_header(f.read(HEADER_SIZE), size, path)
-            f.seek(offset)
-            raw = f.read(length)
-    except OSError as exc:
-        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
-    finally:
-        _os.close(fd)
-    return check(load_manifest(raw, digest, path), offset, path)
 
 
 def original_path(manifest, member):
@@ -216,9 +201,25 @@ def check_root(root, kind):
         expect(
             isinstance(dest, str) and (dest == "" or safe_rel(dest)), "has a bad dest"
         )
-    listing = root.get("listing", [])
+    check_listing(root.get("listing", []))
+    expect(whole_numbers(root.get("identity", [0])), "has a bad identity")
+    partial = root.get("partial", {})
+    expect(isinstance(partial, dict), "has a bad partial")
+    for rel, info in partial.items():
+        expect(safe_rel(rel) and isinstance(info, dict), f"has bad partial {rel!r}")
+        expect(isinstance(info.get("mtime_ns"), int), f"has bad partial {rel!r}")
+        check_listing(info.get("listing"))
+
+
+def check_listing(listing):
+    """Check a directory listing: a list of names."""
     expect(isinstance(listing, list), "has a bad listing")
     expect(all(isinstance(e, str) for e in listing), "has a bad listing entry")
+
+
+def whole_numbers(value):
+    """Whether *value* is a list of integers."""
+    return isinstance(value, list) and all(isinstance(v, int) for v in value)
 
 
 def base_of(root, index):
@@ -237,6 +238,7 @@ def check_member(member, roots, data_end):
     expect(kind in MEMBER_TYPES, f"has unknown type {kind!r}")
     for key in ("mode", "mtime_ns"):
         expect(isinstance(member.get(key), int), f"has no whole-number {key}")
+    expect(isinstance(member.get("ino", 0), int), "has a bad ino")
     if kind == "link":
         target = member.get("target")
         expect(

@@ -1,4 +1,4 @@
-"""``mpistage bench run``: start-up of each mode, side by side, in one run.
+"""``mpistage bench run``: start-up of each mode, side by side, in one sweep.
 
 For every workload, rank count and mode (interleaved, repeated), it launches
 ``mpiexec`` with the files on the simulated shared file system, laid out as
@@ -19,7 +19,9 @@ For every workload, rank count and mode (interleaved, repeated), it launches
 import json as _json
 import os as _os
 import statistics as _statistics
-import sys as _sys
+
+from mpistage.bench.simfs import meta_ops, read_ops
+from mpistage.bench.testbed import Testbed, local_base, progress
 
 DRIVER = """\
 import os, sys, time
@@ -61,31 +63,26 @@ COLUMNS = (
 FIGURES = COLUMNS[7:]
 
 
-class Bench:
-    """The places and tools one benchmark run shares between its cells."""
+class StartupTestbed(Testbed):
+    """The testbed one workload's sweep shares between its cells: the layout
+    on the simulated shared FS, node-local storage, the driver's result files."""
 
     def __init__(self, workload, layout, via, latency, cache):
-        import shutil
         import tempfile
 
         from mpistage.bench.layout import LAYOUTS
         from mpistage.bench.simfs import SimFS
 
+        super().__init__("mpistage-bench-")
         self.workload, self.nodes, self.extra_env = workload, 1, {}
-        self.work = tempfile.mkdtemp(prefix="mpistage-bench-")
         self.local_dir = tempfile.mkdtemp(
             prefix="mpistage-bench-local-", dir=local_base()
         )
-        self.source = _os.path.join(self.work, "shared")
         self.source_site = _os.path.join(self.source, "site")
-        self.mount = _os.path.join(self.work, "mnt")
         self.shared_site = _os.path.join(self.mount, "site")
         self.result_path = _os.path.join(self.work, "result.json")
         self.report_path = _os.path.join(self.work, "report.json")
-        mpiexec = _os.path.join(_os.path.dirname(_sys.executable), "mpiexec")
-        self.mpiexec = mpiexec if _os.path.exists(mpiexec) else shutil.which("mpiexec")
         _os.makedirs(self.source_site)
-        _os.makedirs(self.mount)
         self.layout = LAYOUTS[layout](self, via)
         self.fs = SimFS(self.source, self.mount, latency=latency, cache=cache)
 
@@ -98,42 +95,37 @@ class Bench:
         import shutil
 
         self.fs.unmount()
-        shutil.rmtree(self.work, ignore_errors=True)
+        super().close()
         shutil.rmtree(self.local_dir, ignore_errors=True)
 
 
-def local_base():
-    """Return node-local RAM disk when present, else the temp directory."""
-    return "/dev/shm" if _os.path.isdir("/dev/shm") else None
-
-
-def run_cell(bench, mode, ranks, nodes):
+def run_cell(testbed, mode, ranks, nodes):
     """Launch one cell and return its measurements."""
-    for path in (bench.result_path, bench.report_path):
+    for path in (testbed.result_path, testbed.report_path):
         if _os.path.exists(path):
             _os.unlink(path)
-    site = mode.driver_site(bench)
+    site = mode.driver_site(testbed)
     path_line = f"sys.path.insert(0, {site!r})" if site else ""
-    code = "" if mode.empty else bench.workload.code
+    code = "" if mode.empty else testbed.workload.code
     driver = DRIVER.format(code=code, path_line=path_line)
-    start, stats, extra = mode.launch(bench, ranks, nodes, driver)
-    row = measure(bench, start, stats, extra, nodes)
-    mode.after(bench)
+    start, stats, extra = mode.launch(testbed, ranks, nodes, driver)
+    row = measure(testbed, start, stats, extra, nodes)
+    mode.after(testbed)
     return row
 
 
-def measure(bench, start, stats, extra, nodes):
+def measure(testbed, start, stats, extra, nodes):
     """Turn one cell's driver result and shared-FS stats into a row."""
-    with open(bench.result_path) as f:
+    with open(testbed.result_path) as f:
         result = _json.load(f)
-    ranks = sorted(result["ranks"])
+    ranks = sorted(result["ranks"])  # (rank, pid, t_ready, t_done), as DRIVER sends
     ops = per_rank_ops(stats, ranks)
     others = ops[1:] or ops
     stage = stats.get("stage", {})
     return {
         "total_s": result["t_all"] - start,
-        "start_s": max(r[2] for r in ranks) - start,
-        "import_s": max(r[3] - r[2] for r in ranks),
+        "start_s": max(ready for _, _, ready, _ in ranks) - start,
+        "import_s": max(done - ready for _, _, ready, done in ranks),
         "stage_s": extra.get("stage_s", 0.0),
         "meta_ops": meta_ops(stats) + meta_ops(stage),
         "ops_rank0": ops[0],
@@ -144,7 +136,7 @@ def measure(bench, start, stats, extra, nodes):
         ),
         "read_ops": read_ops(stats) + read_ops(stage),
         "bytes_read": stats.get("bytes", 0) + stage.get("bytes", 0),
-        "bundle_bytes": extra.get("bundle_bytes") or bundle_bytes(bench),
+        "bundle_bytes": extra.get("bundle_bytes") or bundle_bytes(testbed),
     }
 
 
@@ -154,26 +146,15 @@ def per_rank_ops(stats, ranks):
     return [meta_ops(per_pid.get(str(pid), {})) for _, pid, _, _ in ranks]
 
 
-def meta_ops(counts):
-    """Return the metadata operations (all but data reads) in *counts*."""
-    ops = counts.get("ops", {})
-    return sum(ops.values()) - ops.get("read", 0)
-
-
-def read_ops(counts):
-    """Return the data reads in *counts*."""
-    return counts.get("ops", {}).get("read", 0)
-
-
-def bundle_bytes(bench):
+def bundle_bytes(testbed):
     """Return the size of the bundle the runner staged in the last cell, if any."""
-    if not _os.path.exists(bench.report_path):
+    if not _os.path.exists(testbed.report_path):
         return 0
-    with open(bench.report_path) as f:
+    with open(testbed.report_path) as f:
         return _json.load(f).get("bundle_bytes", 0)
 
 
-def cells(ranks_list, nodes, modes, repeat):
+def schedule(ranks_list, nodes, modes, repeat):
     """Yield (repeat, ranks, nodes, mode) in interleaved order."""
     for rep in range(repeat):
         for ranks in ranks_list:
@@ -198,17 +179,17 @@ def run_workload(
     """Run every cell of one workload; return the rows."""
     from mpistage.bench.modes import MODES
 
-    bench = Bench(workload, layout, via, latency, cache)
-    bench.extra_env = extra_env or {}
+    testbed = StartupTestbed(workload, layout, via, latency, cache)
+    testbed.extra_env = extra_env or {}
     rows = []
     try:
         progress(f"[{workload.name}] laying out the {layout} layout on the shared FS")
-        bench.layout.build(workload)
+        testbed.layout.build(workload)
         chosen = [MODES[layout][m]() for m in modes]
-        prepare(bench, chosen, workload.name)
-        plan = list(cells(ranks, nodes, chosen, repeat))
+        prepare(testbed, chosen, workload.name)
+        plan = list(schedule(ranks, nodes, chosen, repeat))
         for i, (rep, n, k, mode) in enumerate(plan, 1):
-            row = run_cell(bench, mode, n, k)
+            row = run_cell(testbed, mode, n, k)
             row.update(
                 workload=workload.name,
                 layout=layout,
@@ -225,26 +206,21 @@ def run_workload(
                 f"others {row['ops_rank_median']:.0f} (max {row['ops_rank_max']})"
             )
     finally:
-        bench.close()
+        testbed.close()
     return rows
 
 
-def prepare(bench, modes, name):
+def prepare(testbed, modes, name):
     """Prepare every mode on a mount without latency, then remount with it.
 
     Packing reads thousands of files through the mount; the latency would
     only make that slow, and none of it is measured.
     """
-    latency, bench.fs.latency = bench.fs.latency, 0.0
-    bench.fs.mount()
+    latency, testbed.fs.latency = testbed.fs.latency, 0.0
+    testbed.fs.mount()
     for mode in modes:
         progress(f"[{name}] preparing {mode.name}")
-        mode.prepare(bench)
-    bench.fs.unmount()
-    bench.fs.latency = latency
-    bench.fs.mount()
-
-
-def progress(line):
-    """Print one progress line to stderr."""
-    print(line, file=_sys.stderr, flush=True)
+        mode.prepare(testbed)
+    testbed.fs.unmount()
+    testbed.fs.latency = latency
+    testbed.fs.mount()

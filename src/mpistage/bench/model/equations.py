@@ -1,0 +1,127 @@
+"""The model's equations: the machine, a mode's inputs, the seconds of each step.
+
+Every step is a function of the mode's counts (:class:`Inputs`), the rank
+and node counts and the machine (:class:`Machine`); :func:`predict` adds
+them up. docs/scale.md writes the same equations in symbols.
+"""
+
+import dataclasses as _dataclasses
+import math as _math
+
+from mpistage.bench.units import MIB
+
+STEPS = ("metadata", "read", "broadcast", "write", "run")
+MODES = ("plain", "mpistage", "mpistage-trust", "staged-env")
+INF = float("inf")
+
+
+@_dataclasses.dataclass
+class Machine:
+    """The machine's parameters, in seconds, bytes and operations."""
+
+    mds_rate: float = 2000.0  # ops/s one stream gets: 1 / latency of one op
+    mds_concurrency: float = 20.0  # ops the metadata server serves at once
+    node_cache: float = 0.0  # share of a rank's ops its node's cache answers
+    ranks_per_node: int = 32
+    fs_bw: float = 35e9  # shared FS, all clients together, bytes/s
+    client_bw: float = 1e9  # shared FS, one reading process, bytes/s
+    net_latency: float = 5e-6
+    net_bw: float = 5e9
+    bcast: str = "pipeline"  # or "binomial"
+    chunk: float = 4 * MIB
+    local_bw: float = 1e9  # a leader checksums and writes its copy, bytes/s
+    cores: float | None = None  # cores all ranks share (one machine); None: 1 each
+
+
+@_dataclasses.dataclass
+class Inputs:
+    """What one mode costs, in counts measured at one or a few ranks."""
+
+    ops_rank: float = 0.0  # shared-FS metadata ops of every rank
+    ops_rank0_extra: float = 0.0  # rank 0's ops beyond ops_rank
+    ops_node: float = 0.0  # ops of the stage step's process on each node
+    ops_job: float = 0.0  # ops once per job (the launcher)
+    bytes_rank: float = 0.0  # shared-FS bytes every rank reads
+    bytes_node: float = 0.0  # shared-FS bytes the stage process of a node reads
+    bundle_bytes: float = 0.0  # read once, broadcast, written once per node
+    run_s: float = 0.0  # local CPU time of start-up and imports, per rank
+    write_s: float | None = None  # staging seconds per node; None: bundle/local_bw
+
+
+def nodes_for(ranks, machine):
+    """Return how many nodes *ranks* ranks fill at the machine's ranks per node."""
+    return max(1, _math.ceil(ranks / machine.ranks_per_node))
+
+
+def predict(inputs, ranks, nodes, machine):
+    """Return the seconds of each step, and their sum as ``total``."""
+    nodes = min(nodes, ranks)
+    steps = {
+        "metadata": metadata_seconds(inputs, ranks, nodes, machine),
+        "read": read_seconds(inputs, ranks, nodes, machine),
+        "broadcast": broadcast_seconds(inputs.bundle_bytes, nodes, machine),
+        "write": write_seconds(inputs, nodes, machine),
+        "run": inputs.run_s * shared(ranks, machine.cores),
+    }
+    steps["total"] = sum(steps.values())
+    return steps
+
+
+def metadata_ops(inputs, ranks, nodes, machine):
+    """Return the metadata ops the server answers in a job of *ranks* ranks.
+
+    The first rank of a node pays all its ops; the others pay the share
+    their node's client cache does not answer.
+    """
+    others = (ranks - nodes) * inputs.ops_rank * (1 - machine.node_cache)
+    return (
+        inputs.ops_job
+        + inputs.ops_rank0_extra
+        + nodes * (inputs.ops_rank + inputs.ops_node)
+        + others
+    )
+
+
+def metadata_seconds(inputs, ranks, nodes, machine):
+    """Return the time the metadata server needs: its throughput, or one
+    process's chain of round trips if that is longer."""
+    total = metadata_ops(inputs, ranks, nodes, machine)
+    chain = inputs.ops_node + inputs.ops_rank + inputs.ops_rank0_extra
+    return max(
+        total / (machine.mds_rate * machine.mds_concurrency),
+        chain / machine.mds_rate,
+    )
+
+
+def read_seconds(inputs, ranks, nodes, machine):
+    """Return the time of the shared-FS data reads: everyone's, then the bundle."""
+    together = ranks * inputs.bytes_rank + nodes * inputs.bytes_node
+    alone = max(inputs.bytes_rank, inputs.bytes_node)
+    spread = max(together / machine.fs_bw, alone / machine.client_bw)
+    return spread + inputs.bundle_bytes / machine.client_bw
+
+
+def broadcast_seconds(nbytes, nodes, machine):
+    """Return the time to broadcast *nbytes* from one leader to *nodes* leaders."""
+    if nbytes <= 0 or nodes <= 1:
+        return 0.0
+    depth = _math.ceil(_math.log2(nodes))
+    if machine.bcast == "binomial":
+        return depth * (machine.net_latency + nbytes / machine.net_bw)
+    chunk = min(machine.chunk, nbytes)
+    chunks = _math.ceil(nbytes / chunk)
+    return (depth + chunks - 1) * (machine.net_latency + chunk / machine.net_bw)
+
+
+def write_seconds(inputs, nodes, machine):
+    """Return the time a leader takes to write its node's copy."""
+    if inputs.write_s is not None:
+        alone = inputs.write_s
+    else:
+        alone = inputs.bundle_bytes / machine.local_bw
+    return alone * shared(nodes, machine.cores)
+
+
+def shared(count, cores):
+    """Return how much slower *count* processes run on *cores* shared cores."""
+    return max(1.0, count / cores) if cores else 1.0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import bundlefile as fmt
+from mpistage.runtime.read import read_manifest
 from recordtools import need_report, replay
 from stagetools import (
     MPIEXEC,
@@ -352,7 +352,7 @@ def test_first_auto_run_saves_what_was_served(tmp_path, env, stage_dir, ranks):
     assert facts["auto"].startswith("recorded"), facts
     assert facts["live"]["mode"] == "live" and facts["live"]["read_files"] > 0, facts
     (saved,) = (tmp_path / "cache").glob("*.mpistage")
-    rels = {m["rel"] for m in fmt.read_manifest(saved)["members"]}
+    rels = {m["rel"] for m in read_manifest(saved)["members"]}
     assert {"common.py", "only3.py", "livepkg/sub.py"} <= rels, rels
     assert job_dirs(stage_dir) == []
 

@@ -269,7 +269,7 @@ def suffix():
 
 
 ECOSYSTEM = """
-import importlib.metadata as md, importlib.resources as res, os, sys
+import importlib.metadata as md, importlib.resources as res, os, pkgutil, sys
 import livepkg
 plugins = sorted(e.value for e in md.entry_points(group="live.plugins"))
 dist = md.distribution("livepkg")
@@ -285,6 +285,8 @@ emit({
     "missing": folder.joinpath("nothing.txt").exists(),
     "legacy": res.read_text("livepkg", "sub.py")[:20],
     "absent": [n for n in ("no-such-dist",) if not list(md.distributions(name=n))],
+    "modules": sorted(m.name for m in pkgutil.iter_modules()),
+    "inside": sorted(m.name for m in pkgutil.iter_modules(livepkg.__path__)),
     "pid": os.getpid(),
 })
 """
@@ -409,8 +411,9 @@ MARKED = f"import os as _o\n_o.path.exists({MARK!r})\n"
 TRACED = (
     MARKED
     + """
-import os, numpy, numpy.linalg, livepkg.sub, importlib.metadata as md
+import os, numpy, numpy.linalg, livepkg.sub, importlib.metadata as md, pkgutil
 import importlib.resources as res
+names = [m.name for m in pkgutil.iter_modules()]
 from mpi4py import MPI
 if MPI.COMM_WORLD.rank == 3:
     import only3

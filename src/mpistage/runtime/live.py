@@ -148,6 +148,8 @@ class LiveSession:
                 break
         livefinder.CURRENT[0] = self
         self.installed = (hook, meta)
+        if "pkgutil" in _sys.modules:
+            livefinder.register_pkgutil(_sys.modules["pkgutil"])
         forget_finders(self)
 
     # -- what the finder asks ------------------------------------------------

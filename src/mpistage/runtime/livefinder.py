@@ -152,6 +152,37 @@ class LiveFinder(_FileFinder):
             live.need(live.module_key(self.path, name))
         return locate(live.listing, self.path, name)
 
+    def iter_modules(self, prefix=""):
+        """Yield ``(name, ispkg)`` as ``pkgutil`` does, from the listings."""
+        from mpistage.runtime.finders import module_name
+
+        try:
+            entries = self.live.listing(self.path) or ()
+        except Unknown:
+            entries = ()
+        yielded = set()
+        for entry in entries:
+            name = entry.rstrip("/")
+            module, package = module_name(name), False
+            if not module and entry.endswith("/") and "." not in name:
+                module, package = name, self.is_package(name)
+                if not package:
+                    continue
+            if module and module != "__init__" and "." not in module:
+                if module not in yielded:
+                    yielded.add(module)
+                    yield prefix + module, package
+
+    def is_package(self, name):
+        """Whether the directory *name* holds an ``__init__`` module."""
+        from mpistage.runtime.finders import module_name
+
+        try:
+            entries = self.live.listing(f"{self.path}/{name}") or ()
+        except Unknown:
+            return False
+        return any(module_name(e) == "__init__" for e in entries)
+
     def invalidate_caches(self):
         """Listings are the job's: nothing to drop."""
         if self._regular is not None:
@@ -360,6 +391,34 @@ def make_live_path():
     return LivePath
 
 
+def register_pkgutil(pkgutil):
+    """Let ``pkgutil.iter_modules`` list served directories from their listings."""
+
+    @pkgutil.iter_importer_modules.register(LiveFinder)
+    def _iter_live(importer, prefix=""):
+        return importer.iter_modules(prefix)
+
+
+class PkgutilLoader:
+    """Loads ``pkgutil`` as its own loader does, then registers live finders."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        """Create the module as the real loader does."""
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        """Run ``pkgutil``, then teach it the live finders."""
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        register_pkgutil(module)
+
+
 class LiveMetaFinder:
     """Stands in for ``PathFinder`` in ``sys.meta_path``: distributions from listings.
 
@@ -376,8 +435,11 @@ class LiveMetaFinder:
         return getattr(self.base, name)
 
     def find_spec(self, fullname, path=None, target=None):
-        """Find a module as ``PathFinder`` does."""
-        return self.base.find_spec(fullname, path, target)
+        """Find a module as ``PathFinder`` does; tell ``pkgutil`` of live finders."""
+        spec = self.base.find_spec(fullname, path, target)
+        if fullname == "pkgutil" and spec is not None and spec.loader is not None:
+            spec.loader = PkgutilLoader(spec.loader)
+        return spec
 
     def find_distributions(self, context=None):
         """Find distributions: served directories from listings, others as usual."""

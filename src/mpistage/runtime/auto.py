@@ -114,7 +114,10 @@ def start_recording():
 
 def merge(a, b):
     """Union of two usages (the reduction operator of :func:`save`)."""
-    return dict(a, files=sorted(set(a["files"]) | set(b["files"])))
+    copies = {**a.get("copies", {}), **b.get("copies", {})}
+    files = sorted(set(a["files"]) | set(b["files"]))
+    listed = sorted(set(a.get("listed", [])) | set(b.get("listed", [])))
+    return dict(a, files=files, listed=listed, copies=copies)
 
 
 def save(comm, recorder, path, args, live=None):
@@ -130,8 +133,9 @@ def save(comm, recorder, path, args, live=None):
     from mpistage.runtime.collective import attempt
 
     def usage():
-        found = recorder.usage()
-        return live.usage(found) if live is not None else found
+        if live is None or live.mode != "live":
+            return recorder.usage()
+        return live.usage(recorder.usage(modules=False))
 
     usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
     if comm.rank == 0:
@@ -153,6 +157,8 @@ def build(path, usage):
         with _os.fdopen(fd, "w") as f, lend("json"):
             json.dump(usage, f)
         command = [_sys.executable, "-m", "mpistage", "record", "--usage", saved]
+        if usage.get("copies"):  # what a live run served, read from node 0's copy
+            command += ["--granularity", "file"]
         done = subprocess.run(
             [*command, "-o", path], cwd=folder, capture_output=True, text=True
         )
@@ -187,12 +193,18 @@ class Recorder:
         path = _os.path.normpath(_os.path.abspath(path))
         (self.listed if kind == "listing" else self.paths).add(path)
 
-    def usage(self):
-        """Stop recording; return what was used, as JSON-ready data."""
+    def usage(self, modules=True):
+        """Stop recording; return what was used, as JSON-ready data.
+
+        Without *modules*, the loaded modules' files are not looked up (a
+        live run's reader knows them; looking costs a stat of each original).
+        """
         from mpistage.runtime.bundlefile import python_tag
 
         self.active = False
-        paths = self.paths | module_files(self.preloaded) | mapped_files()
+        paths = self.paths | mapped_files()
+        if modules:
+            paths |= module_files(self.preloaded)
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
         return {

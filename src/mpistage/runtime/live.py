@@ -36,8 +36,8 @@ class NoFootprint:
 class LiveSession:
     """Live imports on one rank, from the first request to the copy's removal."""
 
-    def __init__(self, session, args):
-        self.session, self.args = session, list(args)
+    def __init__(self, session, args, sources=False):
+        self.session, self.args, self.sources = session, list(args), sources
         self.mode = None  # "live", or why the job runs the plain way
         self.root = self.writer = self.relay = self.client = self.listings = None
         self.roots, self.copy_root, self.installed = (), None, None
@@ -62,11 +62,11 @@ class LiveSession:
         try:
             self.place(topo)
             self.serve(topo)
+            self.mode = "live"
             attempt(topo.world, self.install)
         except StageError:
             self.abandon()
             raise
-        self.mode = "live"
         return True
 
     def threads_missing(self, world):
@@ -128,7 +128,7 @@ class LiveSession:
         from mpistage.runtime.reader import Reader
         from mpistage.runtime.relay import Relay
 
-        reader = Reader() if topo.world.rank == 0 else None
+        reader = Reader(self.sources) if topo.world.rank == 0 else None
         serve, reply = self.comms
         return Relay(serve, reply, leaders, topo.leaders.rank, self.writer, reader)
 
@@ -239,14 +239,15 @@ class LiveSession:
 
     # -- the end -------------------------------------------------------------
 
-    def close(self, session=None):
-        """After the program: stop serving, uninstall, remove the copy (collective)."""
-        from mpi4py import MPI
+    def close(self):
+        """After the program: stop serving and uninstall (collective).
 
+        The node's copy stays until :meth:`release`: ``--auto`` builds the
+        bundle from node 0's copy.
+        """
         if self.mode != "live" or self.closed or not self.usable():
             return
-        topo = self.session.topology
-        barrier(topo.world)  # every rank is done with the program
+        barrier(self.session.topology.world)  # every rank is done with the program
         self.client.close()
         self.closed = True
         if self.relay is not None:
@@ -255,13 +256,22 @@ class LiveSession:
                 self.served = sorted(self.relay.reader.sent)
                 self.relay.reader.close()
         self.uninstall()
-        alive = not MPI.Is_finalized()
-        barrier(topo.node)
-        self.remove()
-        if alive:
-            barrier(topo.node)
         for comm in self.comms:
             comm.Free()
+        self.comms = ()
+
+    def release(self):
+        """Remove the node's copy between two node barriers (collective)."""
+        from mpi4py import MPI
+
+        if self.mode != "live" or not self.closed or self.copy_root is None:
+            return
+        node = self.session.topology.node
+        barrier(node)
+        self.remove()
+        if not MPI.Is_finalized():
+            barrier(node)
+        self.copy_root = None
 
     def uninstall(self):
         """Take the hook and the distribution finder out; drop live finders."""
@@ -295,19 +305,22 @@ class LiveSession:
             mark_kept(self.root)
         else:
             release(self.root)
+        self.root = None
 
     def abandon(self):
-        """The start failed (agreed): remove this leader's copy, if any."""
-        from mpistage.runtime.cleanup import release
+        """An agreed error ends the job: stop serving, remove this leader's copy.
 
+        Every rank is here (the error was agreed), so the relays end as usual.
+        """
+        if self.mode == "live" and not self.closed:
+            self.close()
         self.closed = True
         if self.root is not None:
             try:
-                if self.writer is not None:
-                    self.writer.close()
-                release(self.root)
+                self.remove()
             except (OSError, StageError):
                 pass  # The watchdog removes it when the leader is gone.
+            self.root = None
 
     def facts(self):
         """Return this rank's figures for the report."""
@@ -321,19 +334,29 @@ class LiveSession:
         return facts
 
     def usage(self, found):
-        """Return a recorder's *found* usage with copies as originals, plus served."""
+        """Return a recorder's *found* usage with copies as originals, plus served.
+
+        On rank 0, ``copies`` says where node 0's copy holds each served
+        file, so that the bundle is built without reading them again.
+        """
         files = {self.original(p) for p in found["files"]} | set(self.served)
         listed = {self.original(p) for p in found.get("listed", [])}
-        return dict(found, files=sorted(files), listed=sorted(listed))
+        files.discard(None)
+        listed.discard(None)
+        copies = {p: self.copy(p) for p in self.served if _os.path.isfile(self.copy(p))}
+        return dict(found, files=sorted(files), listed=sorted(listed), copies=copies)
 
     def original(self, path):
-        """Return the original of a path in this node's copy (else *path*)."""
+        """Return the original of a path in this node's copy, else *path*.
+
+        mpistage's own files in the copy (the listings) have none: ``None``.
+        """
         from mpistage.runtime.mirror import TREE
 
-        head = f"{self.copy_root}/{TREE}"
-        if self.copy_root and path.startswith(head + "/"):
-            return path[len(head) :]
-        return path
+        if not self.copy_root or not path.startswith(self.copy_root + "/"):
+            return path
+        head = f"{self.copy_root}/{TREE}/"
+        return path[len(head) - 1 :] if path.startswith(head) else None
 
 
 def wanted(world):

@@ -39,10 +39,15 @@ FILE_FLAGS = _os.O_RDONLY | _os.O_NONBLOCK | _os.O_CLOEXEC
 
 
 class Reader:
-    """The reader's view of the originals: listings, files sent, descriptors."""
+    """The reader's view of the originals: listings, files sent, descriptors.
 
-    def __init__(self):
+    With *sources*, a module's source is sent with its valid bytecode (an
+    ``--auto`` learning run bundles both).
+    """
+
+    def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
+        self.sources = sources
         self.counts = {"listings": 0, "files": 0, "bytes": 0}
 
     def items(self, key):
@@ -91,7 +96,7 @@ class Reader:
         verdict = bytecode_verdict(got and got[0], st)
         if verdict != "stale":
             self.add_file(cached, got, out)
-        if verdict != "valid":
+        if verdict != "valid" or self.sources:
             self.file(path, out)
 
     def extension(self, path, out):

@@ -17,6 +17,12 @@ The thread polls its communicator with growing sleeps (20 µs to 2 ms)
 instead of blocking inside MPI, so that an idle leader leaves the CPU to
 the program, and it wakes at once when a thread of its own process asks.
 
+The thread never imports: Python runs every finder with its global import
+lock held, so a rank's import may be waiting, lock in hand, for this very
+thread; a first import here would wait for that lock for ever. Everything
+the thread (and the reader it runs) uses is imported before it starts
+(:data:`NEEDS`).
+
 Ending takes two steps, after every rank has finished the program: each
 leader stops forwarding, waits for its outstanding keys, and says ``BYE``
 to the reader; when all have, the reader sends ``END`` down the tree after
@@ -32,6 +38,24 @@ from mpistage.runtime.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUE
 POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
 IDLE_AFTER = 2.0  # seconds without traffic before polling slows to POLL_IDLE
 FANOUT = 2
+NEEDS = (  # imported before the thread starts (see above)
+    "errno",
+    "marshal",
+    "pickle",
+    "stat",
+    "struct",
+    "time",
+    "importlib.util",
+    "mpistage.runtime.collective",
+    "mpistage.runtime.extract",
+    "mpistage.runtime.livefinder",
+    "mpistage.runtime.mirror",
+    "mpistage.runtime.origin",
+    "mpistage.runtime.place",
+    "mpistage.runtime.reader",
+    "mpistage.runtime.request",
+    "mpistage.runtime.roots",
+)
 
 
 def tree(index, size):
@@ -74,7 +98,11 @@ class Relay:
     # -- the thread ----------------------------------------------------------
 
     def start(self):
-        """Start serving in a thread of its own."""
+        """Start serving in a thread of its own, all it needs imported first."""
+        import importlib
+
+        for name in NEEDS:
+            importlib.import_module(name)
         _thread.start_new_thread(self.run, ())
 
     def run(self):

@@ -209,17 +209,21 @@ class Runner:
         verdict = share(self.world, verdict)
         self.auto = verdict or "replayed"
         if verdict:
-            self.start_live()
+            self.start_live(sources=True)
             self.recorder = auto.start_recording()
         else:
             session.spread(buf, manifest)
 
-    def start_live(self):
-        """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off."""
+    def start_live(self, sources=False):
+        """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off.
+
+        With *sources* (an ``--auto`` learning run), sources travel with their
+        bytecode, for the bundle built from node 0's copy at the end.
+        """
         from mpistage.runtime.live import LiveSession, wanted
 
         if wanted(self.world):
-            self.live = LiveSession(self.session, self.args)
+            self.live = LiveSession(self.session, self.args, sources)
             self.live.start()
 
     def run(self):
@@ -279,6 +283,8 @@ class Runner:
         if self.live is not None:
             self.live.close()  # its relays end first; the report counts them
         self.wrap_up()
+        if self.live is not None:
+            self.live.release()
         self.session.close()
 
     def wrap_up(self):
@@ -409,6 +415,8 @@ def fail(runner, error):
     """End every rank after an agreed error: one line, cleanup, exit 1."""
     if runner.session is not None:
         runner.session.abandon()
+    if runner.live is not None:
+        runner.live.abandon()
     if runner.world.rank == 0:
         print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
     _sys.exit(1)

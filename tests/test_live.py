@@ -46,6 +46,7 @@ def site(tmp_path_factory):
         )
     (pkg / "__init__.py").write_text("VALUE = 7\n")
     (pkg / "sub.py").write_text("from livepkg import VALUE\nTWICE = 2 * VALUE\n")
+    (pkg / "boom.py").write_text("def boom():\n    raise ValueError('boom')\n")
     (pkg / "data" / "table.txt").write_text("1 2 3\n")
     install_record(site, "livepkg", "1.2")
     info = site / "livepkg-1.2.dist-info"
@@ -270,7 +271,12 @@ def suffix():
 
 ECOSYSTEM = """
 import importlib.metadata as md, importlib.resources as res, os, pkgutil, sys
-import livepkg
+import inspect, traceback
+import livepkg, livepkg.boom, livepkg.sub
+try:
+    livepkg.boom.boom()
+except ValueError:
+    trace = traceback.format_exc().splitlines()[-3:]
 plugins = sorted(e.value for e in md.entry_points(group="live.plugins"))
 dist = md.distribution("livepkg")
 folder = res.files("livepkg")
@@ -287,6 +293,8 @@ emit({
     "absent": [n for n in ("no-such-dist",) if not list(md.distributions(name=n))],
     "modules": sorted(m.name for m in pkgutil.iter_modules()),
     "inside": sorted(m.name for m in pkgutil.iter_modules(livepkg.__path__)),
+    "traceback": trace,
+    "source": inspect.getsource(livepkg.sub),
     "pid": os.getpid(),
 })
 """

@@ -55,9 +55,10 @@ SRUN = table(
     "--gpus-per-task= --gpus-per-node= --sockets-per-node= --cores-per-socket= "
     "--spread-job -O --overcommit",
     step="--exact",
-    hosts="-w= --nodelist= -x= --exclude=",
-    alloc="-p= --partition= -A= --account= -q= --qos= -t= --time= --time-min= "
-    "-C= --constraint= --reservation= --mem= --exclusive? -G= --gpus= --gres= "
+    hosts="-x= --exclude=",
+    alloc="-w= --nodelist= -p= --partition= -A= --account= -q= --qos= -t= "
+    "--time= --time-min= -C= --constraint= --reservation= --mem= --exclusive? "
+    "-G= --gpus= --gres= "
     "-J= --job-name= -L= --licenses= --begin= --comment= --contiguous "
     "--wckey= --switches= -s --oversubscribe --signal= --deadline= --nice?",
     keep="--mpi= --overlap --export= --propagate? -D= --chdir= --container= -l --label "
@@ -131,6 +132,7 @@ class Launch:
     per node.
     """
 
+    family = "?"
     options = {}
     dashes = False  # options may have one dash or two (Open MPI, Hydra)
 
@@ -189,8 +191,9 @@ class Launch:
 
     @property
     def name(self):
-        """The launcher's name, for messages."""
-        return _os.path.basename(self.command[0])
+        """The launcher's name (and which one it is taken for), for messages."""
+        name = _os.path.basename(self.command[0])
+        return name if name == self.family else f"{name} ({self.family})"
 
     def words(self, *roles):
         """The launcher's option words of the given *roles*, in order."""
@@ -238,6 +241,7 @@ class Launch:
 class Srun(Launch):
     """Slurm's ``srun``, inside an allocation (salloc, sbatch) or outside one."""
 
+    family = "srun"
     options = SRUN
 
     def allocation(self):
@@ -261,10 +265,12 @@ class Srun(Launch):
         return [self.command[0], "-N", count, "-n", count, "--ntasks-per-node=1", *kept]
 
     def real_nodes(self):
-        """The nodes of ``-w``, else the allocation's, less those of ``-x``."""
-        chosen = self.values("-w", "--nodelist")
-        if chosen:
-            return len(set(hostnames(chosen[-1])))
+        """Every node of the allocation, less those ``-x`` excludes.
+
+        ``srun`` in an allocation runs on all its nodes unless ``-N`` says
+        fewer, and ``-w`` only names nodes that must be among them: the
+        stage step covers them all.
+        """
         everything = _os.environ.get("SLURM_JOB_NODELIST", "")
         excluded = self.values("-x", "--exclude")
         if everything and excluded:
@@ -275,6 +281,7 @@ class Srun(Launch):
 class OpenMPI(Launch):
     """Open MPI's ``mpirun``/``mpiexec`` (ORTE): ``--map-by ppr:1:node``."""
 
+    family = "Open MPI"
     options = OPENMPI
     dashes = True
 
@@ -304,6 +311,7 @@ class OpenMPI(Launch):
 class Hydra(Launch):
     """MPICH's (and Intel MPI's) Hydra ``mpiexec``: ``-n K -ppn 1``."""
 
+    family = "Hydra"
     options = HYDRA
     dashes = True
 
@@ -325,6 +333,7 @@ class Hydra(Launch):
 class Flux(Launch):
     """``flux run`` (documented; not part of the test suite)."""
 
+    family = "flux"
     options = FLUX
 
     def first_option(self):

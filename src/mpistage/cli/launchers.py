@@ -384,28 +384,35 @@ def launcher_kind(word):
 def mpi_family(word):
     """Tell Open MPI's ``mpirun`` from Hydra's, by name, else by ``--version``."""
     import shutil
-    import subprocess
 
     path = shutil.which(word)
-    if path is None:
-        raise StageError(f"launcher {word!r} not found")
-    for name in (_os.path.basename(word), _os.path.basename(_os.path.realpath(path))):
+    names = [word] + ([_os.path.realpath(path)] if path else [])
+    for name in map(_os.path.basename, names):
         if name.endswith(".openmpi") or name in ("orterun", "prterun"):
             return OpenMPI
         if name.endswith((".hydra", ".mpich")):
             return Hydra
-    try:
-        probe = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=30
-        )
-        said = probe.stdout + probe.stderr
-    except (OSError, subprocess.TimeoutExpired):
-        said = ""
+    if path is None:
+        raise StageError(f"launcher {word!r} not found")
+    said = version(path)
     if "Open MPI" in said or "OpenRTE" in said:
         return OpenMPI
     if "HYDRA" in said or "Intel(R) MPI" in said:
         return Hydra
     raise StageError(f"{word!r} is neither Open MPI's nor Hydra's mpiexec: {HINT}")
+
+
+def version(path):
+    """What the launcher at *path* says to ``--version`` (empty if nothing)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
 
 
 # -- the launchers' facts ----------------------------------------------------------

@@ -250,12 +250,11 @@ def test_node_index_follows_each_launchers_rank(environ, tmp_path):
     ]
     for variables, expected in cases:
         assert index(variables) == expected, variables
-    # Real nodes: Slurm says which one.
-    environ({"MPISTAGE_EMULATE_NODES": ""})
-    os.environ.pop("MPISTAGE_EMULATE_NODES")
-    assert index({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1"}) == "1"
 
 
-def test_run_refuses_before_launching_anything(tmp_path, capsys):
+def test_run_refuses_before_launching_anything(environ, tmp_path):
     with pytest.raises(StageError):
         main(["--env", str(tmp_path / "e.mpistage"), "--", "aprun", "python", "x.py"])
+    to = str(tmp_path / "n{node}")
+    with pytest.raises(StageError, match="is for emulated nodes"):
+        main(["--env", "e.mpistage", "--to", to, "--", "srun", "python", "x.py"])

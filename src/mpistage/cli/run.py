@@ -29,6 +29,7 @@ import subprocess as _subprocess
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.cli.launchers import emulated
 
 
 def parser():
@@ -81,6 +82,12 @@ class Plan:
         self.launch = understand(args.command, args.stage_launcher)
         self.folder = args.to or default_dir()
         self.bundle = _os.path.abspath(args.env)
+        if "{node}" in self.folder and not emulated():
+            raise StageError(
+                f"--to {self.folder!r}: {{node}} is for emulated nodes on one "
+                "machine (MPISTAGE_EMULATE_NODES); real nodes each have their "
+                "own DIR: give a plain one"
+            )
 
     def stage_command(self):
         """``(one per node) python -m mpistage stage BUNDLE --to DIR --print-env``."""
@@ -147,21 +154,17 @@ class Plan:
 
 
 def node_index(nodes):
-    """A shell expression for a rank's node, from what its launcher says.
+    """A shell expression for a rank's emulated node, from its launcher's rank.
 
     Emulated nodes are contiguous rank blocks, as in
-    :mod:`mpistage.runtime.topology`; real ones are Slurm's ``SLURM_NODEID``,
-    else rank blocks too.
+    :mod:`mpistage.runtime.topology`.
     """
-    from mpistage.cli.launchers import emulated
-
     rank = (
         "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-"
         "${SLURM_PROCID:-${FLUX_TASK_RANK:-0}}}}}"
     )
     size = "${PMI_SIZE:-${OMPI_COMM_WORLD_SIZE:-${SLURM_NTASKS:-${FLUX_JOB_SIZE:-1}}}}"
-    blocks = f"$(({rank} * {nodes} / {size}))"
-    return blocks if emulated() else "${SLURM_NODEID:-" + blocks + "}"
+    return f"$(({rank} * {nodes} / {size}))"
 
 
 class Steps:

@@ -201,7 +201,11 @@ class Steps:
 
     def clean(self):
         """The clean step; whether it succeeded (it says why not)."""
-        status = self.step(self.plan.clean_command(), "clean", forward=False)
+        try:
+            status = self.step(self.plan.clean_command(), "clean", forward=False)
+        except StageError as exc:
+            error(exc)
+            return False
         self.plan.clean_parent()
         if status:
             error(

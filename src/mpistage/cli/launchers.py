@@ -7,21 +7,22 @@ launcher's options with a table per launcher, and each option has a role:
 
 - ``layout``: how many tasks and where (``-n``, ``--map-by``, ``-ppn``):
   replaced by one task per node;
-- ``hosts``: which nodes (``-w``, ``-H``, ``-f``): kept;
+- ``hosts``: which nodes (``-x``, ``-H``, ``-f``): kept;
 - ``keep``: what the tasks need to start at all, such as the MPI plugin
   (``--mpi=pmix``), MCA parameters or exported variables: kept;
-- ``alloc``: what a Slurm allocation is made of (``-p``, ``-t``): given to
-  ``salloc`` when ``srun`` runs outside an allocation, left out of the
-  steps inside one (they run in it);
+- ``alloc``: what a Slurm allocation is made of (``-w``, ``-p``, ``-t``):
+  given to ``salloc`` when ``srun`` runs outside an allocation, left out of
+  the steps inside one (they run in it);
 - ``step``: how ``srun`` fits a step into its allocation (``--exact``): left
   out;
 - ``io``: where output goes: left out (the stage step's output is ours).
 
 The node set comes from the launcher's own facts where it has them
 (``SLURM_JOB_NODELIST``, ``SLURM_NNODES``, the host list, the host file,
-``PBS_NODEFILE``). An option not in the table, a program other than python
-after the options, or a launcher not known here is refused with one line
-that names ``--stage-launcher``: a wrong guess would stage the wrong nodes.
+``PBS_NODEFILE``). An option not in the table, several programs (``:``),
+or a launcher not known here is refused with one line that names
+``--stage-launcher``: a wrong guess would stage the wrong nodes. Words
+between the options and python (``env A=1``, a wrapper script) are kept.
 """
 
 import os as _os

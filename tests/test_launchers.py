@@ -385,6 +385,32 @@ def test_signal_during_the_stage_step_cleans(
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 
+def test_failing_run_step_cleans(slurm, env_bundle, shared, app, out):
+    """A rank exits 3 under srun: mpistage run says 3, and every node is clean."""
+    before = node_stages()
+    fail = "MPI.COMM_WORLD.Barrier(); sys.exit(3 if world.rank == 1 else 0)"
+    launch = ["srun", "-n", "4", shared.python, app, out, fail]
+    command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
+    result = run([*command, "--", *launch], env=slurm)
+    assert result.returncode == 3, result
+    assert len(rank_results(out, 4)) == 4
+    assert errors(result.stderr) == [], result
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def test_signal_during_the_run_step_cleans(slurm, env_bundle, shared, app, out):
+    """SIGTERM to mpistage run while the ranks run: passed on, then cleaned."""
+    before = node_stages()
+    launch = ["srun", "-n", "4", shared.python, app, out, "time.sleep(60)"]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    proc = start(["salloc", "-N", "2", "--quiet", *command], slurm)
+    wait_for(lambda: len(list(out.iterdir())) == 4, what="the ranks to start")
+    os.kill(children(proc.pid)[0], signal.SIGTERM)
+    status, _out, err = finish(proc)
+    assert status != 0, err
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
 def test_signal_during_the_stage_step_cleans_emulated_nodes(
     env_bundle, shared, app, out, tmp_path
 ):

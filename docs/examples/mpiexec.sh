@@ -12,7 +12,7 @@ VENV=${VENV:-$HOME/envs/app}
 export PATH="$VENV/bin:$PATH"
 HOSTS=$1 PPN=$2
 shift 2
-NODES=$(grep -c . "$HOSTS")
+NODES=$(grep -c "^[^#[:space:]]" "$HOSTS")
 
 mpistage run --env "$ENV_BUNDLE" -- \
   mpiexec -f "$HOSTS" -n $((NODES * PPN)) -ppn "$PPN" python "$@"

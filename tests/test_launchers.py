@@ -508,15 +508,34 @@ def test_failing_rank_under_srun_leaves_no_copy(slurm, tmp_path):
     job_file = tmp_path / "job"
     runner = [PYTHON, "-m", "mpistage", "--bundle", bundle]
     srun = ["srun", "-w", "n[1-2]", "-N", "2", "-n", "4"]
-    failed = run([*srun, *runner, tmp_path / "fail.py", job_file], env=env)
-    assert failed.returncode != 0, failed
-    assert "rank 3 fails" in failed.stderr, failed
-    job = job_file.read_text()
+    segments = {node: mpich_segments(node) for node in NODES}
+    user_dir = f"/dev/shm/mpistage-{os.getuid()}"
+    try:
+        failed = run([*srun, *runner, tmp_path / "fail.py", job_file], env=env)
+        assert failed.returncode != 0, failed
+        assert "rank 3 fails" in failed.stderr, failed
+        job = job_file.read_text()
 
-    second = run([*srun, *runner, tmp_path / "ok.py"], env=env)
-    assert second.returncode == 0, second
-    time.sleep(0.5)
-    for node in NODES:
-        listing = on_node(node, "ls", "-A", f"/dev/shm/mpistage-{os.getuid()}")
-        left = [n for n in listing.stdout.split() if n.startswith(f"job-{job}-")]
-        assert left == [], (node, left)
+        second = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+        assert second.returncode == 0, second
+        time.sleep(0.5)
+        for node in NODES:
+            listing = on_node(node, "ls", "-A", user_dir)
+            left = [n for n in listing.stdout.split() if n.startswith(f"job-{job}-")]
+            assert left == [], (node, left)
+    finally:
+        # What a failing test leaves, and the segments MPICH cannot remove
+        # after MPI_Abort, go: the nodes' /dev/shm outlive the test.
+        for node in NODES:
+            new = mpich_segments(node) - segments[node]
+            if job_file.exists():
+                on_node(
+                    node, "sh", "-c", f"rm -rf {user_dir}/job-{job_file.read_text()}-*"
+                )
+            if new:
+                on_node(node, "rm", "-f", *(f"/dev/shm/{name}" for name in new))
+
+
+def mpich_segments(node):
+    """The MPICH shared-memory segments in *node*'s /dev/shm."""
+    return {name for name in shm(node) if name.startswith("mpich_shm_")}

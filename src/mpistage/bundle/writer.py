@@ -18,7 +18,9 @@ O(distributions + directories) (see :mod:`mpistage.runtime.validate`).
 
 Bundles are never bundled: files ending in ``.mpistage`` (and the writer's
 own temporaries) are left out, so ``pack --path .`` with the output in
-``.`` does not take the previous bundle and is not stale at once.
+``.`` does not take the previous bundle and is not stale at once. Nor are
+names at the top of a root that start with ``.mpistage``: a staging
+directory reserves them for mpistage's own files.
 """
 
 import os as _os
@@ -27,7 +29,9 @@ from mpistage import StageError
 from mpistage.runtime import bundlefile
 
 COPY_SIZE = 1 << 20
-BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp")
+# Never bundled: bundles, the writer's temporaries, and names at the top of a
+# root that a staging directory reserves for mpistage's own files.
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", bundlefile.RESERVED + "*")
 
 
 class Member:

@@ -47,18 +47,20 @@ def clean(folder=None, dry_run=False):
     ``{node}`` in *folder* stands for each of ``MPISTAGE_EMULATE_NODES``
     emulated nodes, which share this machine.
     """
+    from mpistage.runtime.stager import node_dir, per_node
+
     if not folder:
         return clean_roots(dry_run)
-    if "{node}" not in folder:
+    if not per_node(folder):
         return clean_stage(folder, dry_run)
     count = int(_os.environ.get("MPISTAGE_EMULATE_NODES") or 1)
     found = []
     for node in range(count):
-        path = folder.replace("{node}", str(node))
+        path = node_dir(folder, node)
         if _os.path.isdir(path):
             found += clean_stage(path, dry_run)
-    parent = _os.path.dirname(folder.replace("{node}", "0"))
-    if "{node}" not in _os.path.dirname(folder) and not dry_run:
+    parent = _os.path.dirname(node_dir(folder, 0))
+    if not per_node(_os.path.dirname(folder)) and not dry_run:
         try:
             _os.rmdir(parent)  # The parent the stage step made, now empty.
         except OSError:

@@ -30,6 +30,7 @@ import sys as _sys
 
 from mpistage import StageError
 from mpistage.cli.launchers import emulated
+from mpistage.runtime.stager import NODE, node_dir, per_node
 
 
 def parser():
@@ -82,7 +83,7 @@ class Plan:
         self.launch = understand(args.command, args.stage_launcher)
         self.folder = args.to or default_dir()
         self.bundle = _os.path.abspath(args.env)
-        if "{node}" in self.folder and not emulated():
+        if per_node(self.folder) and not emulated():
             raise StageError(
                 f"--to {self.folder!r}: {{node}} is for emulated nodes on one "
                 "machine (MPISTAGE_EMULATE_NODES); real nodes each have their "
@@ -90,21 +91,21 @@ class Plan:
             )
 
     def stage_command(self):
-        """``(one per node) python -m mpistage stage BUNDLE --to DIR --print-env``."""
+        """``(one per node) python -m mpistage stage BUNDLE --to DIR``."""
         stage = ["-m", "mpistage", "stage", self.bundle, "--to", self.folder]
-        return [*self.launch.stage_prefix(), self.launch.python, *stage, "--print-env"]
+        return [*self.launch.stage_prefix(), self.launch.python, *stage]
 
     def describe(self):
         """The stage step as a shell line, for messages."""
         import shlex
 
-        return shlex.join([*self.stage_command()[:-5], "..."])
+        return shlex.join([*self.stage_command()[:-4], "..."])
 
     def staged_python(self):
         """The command words that start this node's staged interpreter."""
-        if "{node}" not in self.folder:
+        if not per_node(self.folder):
             return [self.folder + "/bin/python"]
-        path = self.folder.replace("{node}", node_index(self.launch.nodes()))
+        path = self.folder.replace(NODE, node_index(self.launch.nodes()))
         libs = f'LD_LIBRARY_PATH="{path}/lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"'
         return ["sh", "-c", f'{libs} exec "{path}/bin/python" "$@"', "python"]
 
@@ -116,18 +117,17 @@ class Plan:
         return [*self.launch.run_prefix(exported), *self.staged_python(), *tail]
 
     def run_environ(self):
-        """The environment ``mpistage stage --print-env`` describes."""
-        env = {
-            k: v
-            for k, v in _os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME")
-        }
-        env["PYTHONNOUSERSITE"] = "1"
-        if "{node}" not in self.folder:
-            env["PATH"] = f"{self.folder}/bin:{env.get('PATH', '')}"
-            lib = env.get("LD_LIBRARY_PATH")
-            env["LD_LIBRARY_PATH"] = f"{self.folder}/lib" + (f":{lib}" if lib else "")
-        return env
+        """The environment of the run step: the staged one (``stager.staged_environ``).
+
+        With one directory per emulated node, each rank's own directory is
+        put in place by :meth:`staged_python` instead.
+        """
+        from mpistage.runtime.stager import UNSET, staged_environ
+
+        if not per_node(self.folder):
+            return staged_environ(self.folder, _os.environ)
+        env = {k: v for k, v in _os.environ.items() if k not in UNSET}
+        return dict(env, PYTHONNOUSERSITE="1")
 
     def clean_command(self):
         """``(one per node) /bin/sh -c REMOVE_STAGE mpistage-clean DIR``.
@@ -138,15 +138,15 @@ class Plan:
         from mpistage.cli.clean import REMOVE_STAGE
 
         shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean"]
-        if "{node}" not in self.folder:
+        if not per_node(self.folder):
             return [*self.launch.per_node(), *shell, self.folder]
         nodes = range(self.launch.nodes())
-        return [*shell, *(self.folder.replace("{node}", str(n)) for n in nodes)]
+        return [*shell, *(node_dir(self.folder, n) for n in nodes)]
 
     def clean_parent(self):
         """Remove the parent of ``.../n{node}`` that the stage step made, if empty."""
         parent = _os.path.dirname(self.folder)
-        if "{node}" in self.folder and "{node}" not in parent:
+        if per_node(self.folder) and not per_node(parent):
             try:
                 _os.rmdir(parent)
             except OSError:
@@ -159,12 +159,18 @@ def node_index(nodes):
     Emulated nodes are contiguous rank blocks, as in
     :mod:`mpistage.runtime.topology`.
     """
-    rank = (
-        "${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-"
-        "${SLURM_PROCID:-${FLUX_TASK_RANK:-0}}}}}"
-    )
-    size = "${PMI_SIZE:-${OMPI_COMM_WORLD_SIZE:-${SLURM_NTASKS:-${FLUX_JOB_SIZE:-1}}}}"
+    from mpistage.runtime.topology import RANK_VARS, SIZE_VARS
+
+    rank, size = first_set(RANK_VARS, "0"), first_set(SIZE_VARS, "1")
     return f"$(({rank} * {nodes} / {size}))"
+
+
+def first_set(names, default):
+    """A shell expression: the first of the variables *names* that is set."""
+    expression = default
+    for name in reversed(names):
+        expression = f"${{{name}:-{expression}}}"
+    return expression
 
 
 class Steps:
@@ -324,16 +330,11 @@ def error(message):
 
 def default_dir():
     """``/dev/shm/mpistage-env-UID-JOB`` (``{node}`` added for emulated nodes)."""
-    job = next(
-        (
-            _os.environ[n]
-            for n in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID")
-            if _os.environ.get(n)
-        ),
-        str(_os.getpid()),
-    )
+    from mpistage.runtime.topology import job_id
+
+    job = job_id() or str(_os.getpid())
     base = (
         "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
     )
-    folder = f"{base}/mpistage-env-{_os.getuid()}-{job.split('.')[0]}"
-    return folder + "/n{node}" if _os.environ.get("MPISTAGE_EMULATE_NODES") else folder
+    folder = f"{base}/mpistage-env-{_os.getuid()}-{job}"
+    return f"{folder}/n{NODE}" if emulated() else folder

@@ -355,10 +355,7 @@ def job_tag():
     """Return a name for this job, unique on the node: scheduler id, pid, time."""
     import time
 
-    for name in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
-        if _os.environ.get(name):
-            prefix = _os.environ[name].split(".")[0]
-            break
-    else:
-        prefix = _os.uname().nodename.split(".")[0]
+    from mpistage.runtime.topology import job_id
+
+    prefix = job_id() or _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"

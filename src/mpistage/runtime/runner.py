@@ -61,17 +61,11 @@ class Options:
 
 def usage_error(message):
     """Print *message* and the usage once (first rank), exit 1 on all ranks."""
+    from mpistage.runtime.topology import launcher_rank
+
     if launcher_rank() == 0:
         print(f"mpistage: error: {message}\n{USAGE}", file=_sys.stderr)
     _sys.exit(1)
-
-
-def launcher_rank():
-    """Return this process's rank as the launcher told it, before MPI starts."""
-    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if _os.environ.get(name, "").isdigit():
-            return int(_os.environ[name])
-    return 0
 
 
 def parse(argv):

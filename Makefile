@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mpistage-installed
 
-.PHONY: demo test lint venv system launchers clean
+.PHONY: demo test test-fast lint venv system launchers clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,11 @@ launchers: venv system
 
 test: venv system lint launchers
 	$(PY) -m pytest -q
+
+# The quick subset while editing: no tier of real launchers or packages, no
+# end-to-end bench or environment runs (a few minutes).
+test-fast: venv lint
+	$(PY) -m pytest -q -m "not slow and not packages and not launchers"
 
 demo: venv system
 	./scripts/demo

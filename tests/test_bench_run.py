@@ -11,7 +11,10 @@ from mpistage.bench.sweep import COLUMNS
 from stagetools import clean_environ, run
 
 FUSE_REASON = simfs.fuse_available()
-pytestmark = pytest.mark.skipif(FUSE_REASON is not None, reason=str(FUSE_REASON))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(FUSE_REASON is not None, reason=str(FUSE_REASON)),
+]
 
 
 @pytest.fixture(scope="module")

@@ -219,6 +219,19 @@ class Launch:
         """How many nodes the job runs on."""
         return emulated() or self.real_nodes()
 
+    def listed_hosts(self, lists, files):
+        """The number of hosts the options *lists* name, else those of *files*.
+
+        A host list is comma-separated, ``host:slots`` counted once; 0 when
+        the command names no hosts.
+        """
+        hosts = [h for v in self.values(*lists) for h in v.split(",")]
+        if hosts:
+            return len({h.split(":")[0] for h in hosts if h})
+        for path in self.values(*files):
+            return len(hostfile(path))
+        return 0
+
     def real_nodes(self):
         """The number of (real) nodes, from the launcher's facts."""
         return slurm_nodes() or pbs_nodes() or 1
@@ -296,12 +309,8 @@ class OpenMPI(Launch):
 
     def real_nodes(self):
         """Hosts of ``-H``/``--host``, else of the host file, else the allocation's."""
-        hosts = [h for v in self.values("H", "host") for h in v.split(",")]
-        if hosts:
-            return len({h.split(":")[0] for h in hosts if h})
-        for path in self.values("hostfile", "machinefile", "default-hostfile"):
-            return len(hostfile(path))
-        return super().real_nodes()
+        files = ("hostfile", "machinefile", "default-hostfile")
+        return self.listed_hosts(("H", "host"), files) or super().real_nodes()
 
     def run_prefix(self, exported=()):
         """Remote ranks get only what ``-x`` exports: export the staged paths."""
@@ -323,12 +332,8 @@ class Hydra(Launch):
 
     def real_nodes(self):
         """Hosts of ``-hosts``, else of the host file, else the allocation's."""
-        hosts = [h for v in self.values("hosts", "host") for h in v.split(",")]
-        if hosts:
-            return len({h.split(":")[0] for h in hosts if h})
-        for path in self.values("f", "hostfile", "machinefile"):
-            return len(hostfile(path))
-        return super().real_nodes()
+        files = ("f", "hostfile", "machinefile")
+        return self.listed_hosts(("hosts", "host"), files) or super().real_nodes()
 
 
 class Flux(Launch):

@@ -31,6 +31,8 @@ import sys as _sys
 from mpistage import StageError
 from mpistage.runtime.report import read_of
 
+KEY_DIGITS = 24  # hex digits of a cache key: 96 bits, no two targets alike
+
 
 def cache_dir(option=None):
     """Return the cache directory: option, ``MPISTAGE_CACHE_DIR`` or XDG."""
@@ -58,7 +60,7 @@ def key(args):
     target = args[1] if args[0] in ("-c", "-m") else _os.path.abspath(args[0])
     path = [target_path0(args)] + [_os.path.abspath(p or ".") for p in _sys.path[1:]]
     parts = [_os.path.abspath(_sys.executable), _sys.version, *path, args[0], target]
-    return sha256("\0".join(parts).encode()).hexdigest()[:24]
+    return sha256("\0".join(parts).encode()).hexdigest()[:KEY_DIGITS]
 
 
 def bundle_path(args, folder=None):

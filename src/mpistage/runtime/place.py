@@ -28,6 +28,8 @@ from mpistage import StageError
 
 DEFAULT_CANDIDATES = ("/dev/shm", "$TMPDIR", "/tmp")
 OWNER_FILE = ".mpistage-owner"
+RECORD_SIZE = 4096  # bytes of a key=value record read at most
+PRIVATE_TRIES = 16  # random names tried for a private directory
 DIR_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 _TRUE = ("1", "yes", "on", "true")
 _FALSE = ("0", "no", "off", "false")
@@ -279,7 +281,7 @@ def user_dir(fd, real):
 
 def private_dir(fd, real):
     """Create a new, randomly named per-user directory in *fd*; return (name, fd)."""
-    for _attempt in range(16):
+    for _attempt in range(PRIVATE_TRIES):
         name = f"mpistage-{_os.getuid()}-{_os.urandom(6).hex()}"
         try:
             _os.mkdir(name, 0o700, dir_fd=fd)
@@ -329,7 +331,7 @@ def read_fields(fd, name):
     except OSError:
         return {}
     try:
-        text = _os.read(got, 4096).decode(errors="replace")
+        text = _os.read(got, RECORD_SIZE).decode(errors="replace")
     finally:
         _os.close(got)
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)

@@ -17,6 +17,7 @@ import sys as _sys
 STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run")
 
 
+SHOWN = 20  # missed module names the screen report lists
 KINDS = ("modules", "metadata", "data", "listings")
 
 
@@ -153,7 +154,7 @@ def render(report):
         lines.append(f"  originals read after activation, all ranks: {counts}")
     if mods["missed_names"]:
         names = mods["missed_names"]
-        shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+        shown = ", ".join(names[:SHOWN]) + (" ..." if len(names) > SHOWN else "")
         lines.append(f"  missed: {shown}")
         lines.append(hint(mods.get("missed_on_ranks", [0]), report["ranks"]))
     return "\n".join(lines)

@@ -44,6 +44,7 @@ MPISTAGE_CACHE_DIR.
 tools: mpistage {%s} --help"""
 
 USAGE %= ",".join(COMMANDS)
+FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
 
@@ -238,7 +239,7 @@ class Runner:
         _sys.stderr.flush()
         if forked:  # A child of the program failed, not the job: it ends alone.
             _os._exit(exit_status(exc))
-        _time.sleep(0.1)  # Let the launcher forward what this rank printed.
+        _time.sleep(FORWARD_PAUSE)
         abort(self.world, exit_status(exc))
 
     def finish(self):

@@ -103,7 +103,13 @@ def import_mpi():
     except Declined as exc:
         state.reason = str(exc)
         return plain_import(start)
-    if meeting.claim():
+    try:
+        first = meeting.claim()
+    except Declined as exc:
+        state.reason = str(exc)
+        meeting.close()
+        return plain_import(start)
+    if first:
         return first_import(meeting, start)
     return follower_import(meeting, start)
 
@@ -158,6 +164,19 @@ def leave():
 def facts():
     """Return this rank's start for the report."""
     return state.facts()
+
+
+def original(path):
+    """Return the original of a file this rank loaded from its node's copy.
+
+    Other paths are returned as they are. What records a program's files
+    (``--auto``, ``mpistage record``) names the originals, as a plain run
+    would have.
+    """
+    if state.path is None:
+        return path
+    prefix = f"{state.path}/{FILES}/"
+    return path[len(prefix) - 1 :] if path.startswith(prefix) else path
 
 
 # -- settings -------------------------------------------------------------------
@@ -338,11 +357,27 @@ class Meeting:
             _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
         except FileExistsError:
             return False
-        self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
-        self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
-        guard(self.root)
-        write_owner(self.root, self.launch, kind="boot")
+        except OSError as exc:
+            raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
+        try:
+            self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
+            self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
+            guard(self.root)
+            write_owner(self.root, self.launch, kind="boot")
+        except OSError as exc:
+            self.give_back()
+            raise Declined(f"cannot use {self.path!r}: {exc.strerror}") from None
         return True
+
+    def give_back(self):
+        """Remove a place this rank made and cannot use (its followers see it go)."""
+        from mpistage.runtime.cleanup import release, remove_entry
+
+        if self.root is not None:
+            release(self.root)
+        else:
+            remove_entry(self.user_fd, self.name)
+        self.root = self.fd = None
 
     def wait(self, seconds):
         """Wait for the first rank's mark; return its record, or raise Declined."""
@@ -404,6 +439,8 @@ class Meeting:
         from mpistage.runtime.cleanup import alive
         from mpistage.runtime.place import read_fields, read_owner
 
+        if _os.fstat(self.fd).st_nlink == 0:
+            raise Declined("the node's first rank gave its place up")
         failed = read_fields(self.fd, FAILED)
         if failed:
             raise Declined("the node's first rank failed: " + failed.get("reason", "?"))

@@ -56,9 +56,20 @@ def import_and_copy(meeting):
     try:
         write_record(meeting.fd, recorder.record(meeting.launch))
     except (OSError, ValueError) as exc:
-        meeting.fail(f"cannot write the record: {exc}")
+        give_up(meeting, f"cannot write the record: {exc}")
     start()
     return MPI
+
+
+def give_up(meeting, reason):
+    """Tell the followers to import as usual; free the room the copies take."""
+    from mpistage.runtime.cleanup import remove_entry
+
+    try:
+        remove_entry(meeting.fd, FILES)
+    except OSError:
+        pass  # The place goes as a whole at the end.
+    meeting.fail(reason)
 
 
 def describe(error):
@@ -110,10 +121,14 @@ def write_record(fd, record):
     data, tmp = marshal.dumps(record), f"{RECORD}.{_os.getpid()}.tmp"
     out = _os.open(tmp, WRITE_FLAGS, 0o600, dir_fd=fd)
     try:
-        write_all(out, data)
-    finally:
-        _os.close(out)
-    _os.rename(tmp, RECORD, src_dir_fd=fd, dst_dir_fd=fd)
+        try:
+            write_all(out, data)
+        finally:
+            _os.close(out)
+        _os.rename(tmp, RECORD, src_dir_fd=fd, dst_dir_fd=fd)
+    except BaseException:
+        _os.unlink(tmp, dir_fd=fd)
+        raise
 
 
 def write_all(fd, data):
@@ -282,6 +297,8 @@ class Copier:
         """Copy the ELF object *path* with what it needs; return its copy, or None.
 
         With *plugins*, the plugin directories beside each library go too.
+        All is read first and written after; what cannot be read or written
+        whole (a full file system) is not copied at all.
         """
         path = _os.path.abspath(path)
         if path in self.taken:
@@ -289,16 +306,28 @@ class Copier:
         plan = {}
         try:
             self.closure(path, plan)
+            if plugins:
+                for folder in sorted({_os.path.dirname(p) for p in plan}):
+                    self.plan_plugins(folder, plan)
+            self.put_all(plan)
         except (Declined, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-            self.decline(path, reason)
+            failed = isinstance(exc, OSError)
+            self.decline(path, f"no copy: {exc.strerror}" if failed else str(exc))
             return None
-        for original, data in plan.items():
-            self.put(original, data)
-        if plugins:
-            for folder in sorted({_os.path.dirname(p) for p in plan}):
-                self.take_plugins(folder)
         return self.taken[path]
+
+    def put_all(self, plan):
+        """Write the copies of *plan*; on failure remove those written, and raise."""
+        written = []
+        try:
+            for original, data in plan.items():
+                if original not in self.taken:
+                    self.put(original, data)
+                    written.append(original)
+        except OSError:
+            for original in written:
+                self.unput(original)
+            raise
 
     def decline(self, path, reason):
         """Note that *path* is loaded from where it is, and why."""
@@ -374,18 +403,17 @@ class Copier:
                 pass
         return name in self.mapped
 
-    def take_plugins(self, folder):
-        """Copy the directories in *folder* that hold shared objects only."""
+    def plan_plugins(self, folder, plan):
+        """Add the directories in *folder* that hold shared objects only to *plan*."""
         if folder in self.plugins:
             return
         self.plugins.add(folder)
         for name, is_dir in sorted((self.listing(folder) or {}).items()):
-            sub = f"{folder}/{name}"
             if is_dir and name != "__pycache__":
-                files = self.plugin_files(sub, PLUGIN_DEPTH, [])
+                files = self.plugin_files(f"{folder}/{name}", PLUGIN_DEPTH, [])
                 for path in files or ():
-                    if path not in self.taken:
-                        self.put(path, self.read(path))
+                    if path not in self.taken and path not in plan:
+                        plan[path] = self.read(path)
 
     def plugin_files(self, folder, depth, found):
         """Return the files of a directory of shared objects only, else None."""
@@ -445,12 +473,23 @@ class Copier:
             out = _os.open(parts[-1], WRITE_FLAGS, 0o700, dir_fd=fd)
             try:
                 write_all(out, data)
+            except BaseException:
+                _os.unlink(parts[-1], dir_fd=fd)
+                raise
             finally:
                 _os.close(out)
         finally:
             _os.close(fd)
         self.taken[path], self.bytes = rel, self.bytes + len(data)
         return rel
+
+    def unput(self, path):
+        """Remove the copy of *path* again."""
+        rel = self.taken.pop(path)
+        try:
+            _os.unlink(f"{self.place}/{rel}")
+        except OSError:
+            pass  # Gone already; the place goes as a whole at the end anyway.
 
     def close(self):
         """Close the descriptors of original directories."""

@@ -268,6 +268,12 @@ def node_word():
     return word
 
 
+def place_name(name=None):
+    """Return the name of this rank's meeting place (for the launch *name*)."""
+    name = launch() if name is None else name
+    return f"boot-{safe_name(name)}.{safe_name(node_word())}"
+
+
 def safe_name(text):
     """Return *text* as a file name: odd characters and excess length hashed."""
     kept = "".join(c if c in NAME_CHARS else "_" for c in text)
@@ -320,8 +326,7 @@ class Meeting:
             name = launch()
             if name is None:
                 raise Declined("no launcher tells which ranks share this node")
-            word = f"boot-{safe_name(name)}.{safe_name(node_word())}"
-            return cls.open(name, word)
+            return cls.open(name, place_name(name))
         except StageError as exc:
             raise Declined(str(exc)) from None
 

@@ -4,9 +4,10 @@ Users write their launch line as always; ``mpistage run`` turns it into
 the launches of the environment path (docs/stage.md):
 
 1. the stage step, exactly one task on each node of the job:
-   ``(one per node) python -m mpistage stage BUNDLE --to DIR``, started
+   ``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``, started
    with the ``python`` of the command (the shared environment, where
-   mpistage is installed);
+   mpistage is installed) and the ``mpistage`` command beside it (``python
+   -m mpistage`` when there is none: it costs ``runpy``'s imports);
 2. the run step: the command itself, with its ``python`` replaced by
    ``DIR/bin/python`` and the environment ``mpistage stage`` prints
    (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``);
@@ -91,9 +92,10 @@ class Plan:
             )
 
     def stage_command(self):
-        """``(one per node) python -m mpistage stage BUNDLE --to DIR``."""
-        stage = ["-m", "mpistage", "stage", self.bundle, "--to", self.folder]
-        return [*self.launch.stage_prefix(), self.launch.python, *stage]
+        """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
+        stage = ["stage", self.bundle, "--to", self.folder]
+        entry = command_beside(self.launch.python)
+        return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 
     def describe(self):
         """The stage step as a shell line, for messages."""
@@ -151,6 +153,23 @@ class Plan:
                 _os.rmdir(parent)
             except OSError:
                 pass  # Not empty, or never made: not ours to remove.
+
+
+def command_beside(python):
+    """How *python* starts mpistage: the ``mpistage`` command beside it, if any.
+
+    The command finds the package with one look per ``sys.path`` entry;
+    ``-m mpistage`` first pays ``runpy``'s imports from the shared file
+    system, once per node of the stage step.
+    """
+    import shutil
+
+    found = python if _os.sep in python else shutil.which(python)
+    if found:
+        command = _os.path.join(_os.path.dirname(_os.path.abspath(found)), "mpistage")
+        if _os.path.isfile(command):
+            return [command]
+    return ["-m", "mpistage"]
 
 
 def node_index(nodes):

@@ -145,7 +145,7 @@ def test_sbatch_job_script(slurm, env_bundle, shared, app, out, tmp_path):
     assert folder == Path(f"/dev/shm/mpistage-env-{os.getuid()}-{job}"), folder
     assert_on_own_node(results, folder)
     assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
-    assert shared.stage_nodes() == ["n1", "n2"], shared.starts()
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
     assert errors(job_log) == [], job_log
 
@@ -176,9 +176,35 @@ def test_srun(slurm, env_bundle, shared, app, out, alloc, line, ranks, staged_on
     folder = staged_dir(results)
     assert_on_own_node(results, folder)
     assert {r["node"] for r in results} <= set(staged_on), results
-    assert shared.stage_nodes() == staged_on, shared.starts()
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
     assert errors(result.stderr) == [], result
+
+
+def test_srun_stages_with_sbcast_and_the_nodes_own_python(
+    slurm, env_bundle, shared, app, out
+):
+    """Under srun the stage step starts no Python from the shared environment.
+
+    With ``--keep`` the stage stays: complete on both nodes (its marker), and
+    the inputs ``sbcast`` brought are gone.
+    """
+    job = f"keep-{os.getpid()}"
+    folder = Path(f"/dev/shm/mpistage-env-test-{job}")
+    launch = ["srun", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder, "--keep"]
+    try:
+        result = run(["salloc", "-N", "2", "--quiet", *command, "--", *launch], slurm)
+        assert result.returncode == 0, result
+        assert_on_own_node(rank_results(out, 4), folder)
+        assert shared.starts() == []
+        for node in NODES:
+            marker = on_node(node, "cat", f"{folder}/.mpistage-stage")
+            assert "state=complete" in marker.stdout, (node, marker)
+            assert not shm_exists(node, f"{folder}.in"), node
+    finally:
+        for node in NODES:
+            on_node(node, "rm", "-rf", str(folder), f"{folder}.in")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +228,7 @@ def test_srun_pmix_open_mpi(
     results = rank_results(out, ranks)
     assert all(r["library"].startswith("Open MPI") for r in results), results
     assert_on_own_node(results, staged_dir(results))
-    assert shared_ompi.stage_nodes() == staged_on, shared_ompi.starts()
+    assert shared_ompi.starts() == []  # sbcast and the nodes' own python
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 

@@ -16,11 +16,13 @@
   later, inside ``MPI_Init``. Copies keep their original absolute paths
   below ``files/``, so every ``$ORIGIN`` path leads to a copy.
 
-Anything the copy cannot match exactly is left where it is and loaded from
-there, on every rank (a run path with ``$LIB`` or ``$PLATFORM``, an old
-``DT_RPATH``, a directory with ``glibc-hwcaps``, ``tls`` or platform
-subdirectories, a file that is not a 64-bit little-endian ELF object, a
-copy that does not load); the record says which. Then the record is
+Files in the system's library directories (``/usr/lib`` and the like) are
+on every node already and are not copied. Anything the copy cannot match
+exactly is left where it is and loaded from there, on every rank (a run
+path with ``$LIB`` or ``$PLATFORM``, an old ``DT_RPATH``, a directory with
+``glibc-hwcaps``, ``tls`` or platform subdirectories, a file that is not a
+64-bit little-endian ELF object, a copy that does not load); the record
+says which. Then the record is
 written, atomically, which is the mark the followers wait for, and only
 then does this rank start MPI, as mpi4py would have at import.
 """
@@ -33,6 +35,8 @@ from mpistage.nodeboot import FILES, RECORD, VERSION, Declined, identity, read_f
 from mpistage.nodeimport import Hook, finder_name, source_kind, via_path
 
 PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
+# The dynamic loader's own directories: part of the node's image, not copied.
+SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
 PLUGIN_DEPTH = 3  # directory levels of a plugin directory
 LOADER_SUBDIRS = ("glibc-hwcaps", "tls", "haswell", "xeon_phi", "avx512_1")
 DT_NEEDED, DT_STRTAB, DT_SONAME, DT_RPATH, DT_RUNPATH = 1, 5, 14, 15, 29
@@ -303,6 +307,9 @@ class Copier:
         path = _os.path.abspath(path)
         if path in self.taken:
             return self.taken[path]
+        if path.startswith(SYSTEM_DIRS):
+            self.decline(path, "a system directory, part of the node's image")
+            return None
         plan = {}
         try:
             self.closure(path, plan)

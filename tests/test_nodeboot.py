@@ -298,6 +298,43 @@ def test_a_failing_job_leaves_no_place(tmp_path, stage_env, stage_dir, reap_mpic
     assert places(stage_dir) == []
 
 
+SLEEPER = """\
+import os, time
+from mpi4py import MPI
+open(os.path.join(os.environ["MPISTAGE_TEST_OUT"], str(MPI.COMM_WORLD.rank)), "w")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_leaves_no_place(
+    tmp_path, stage_env, stage_dir, reap_mpich_shm, sig
+):
+    target = tmp_path / "sleep.py"
+    target.write_text(SLEEPER)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "4", PYTHON, MPISTAGE, target],
+        env=env, start_new_session=True, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out = Path(env["MPISTAGE_TEST_OUT"])
+        deadline = time.monotonic() + 30
+        while len(list(out.iterdir())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(places(stage_dir)) == 2  # one per node while the job runs
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10  # the first ranks' handlers or watchdogs
+    while places(stage_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert places(stage_dir) == []
+
+
 # -- the pieces, without MPI --------------------------------------------------------
 
 

@@ -21,8 +21,8 @@ system:
 	./scripts/ensure-system-packages
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks bin
+	$(VENV)/bin/ruff format --check src tests benchmarks bin
 
 # The launcher tier's systems: a two-node Slurm cluster on this machine
 # (scripts/slurm-cluster) and a venv whose mpi4py is built against Debian's

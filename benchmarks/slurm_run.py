@@ -11,14 +11,19 @@ slurmd's mount namespace sees, and packs that venv with ``pack --env``.
 Then, in ``salloc -N 2``, it takes the launches that ``mpistage run --env
 BUNDLE -- srun -n 4 MOUNT/venv/bin/python -c CODE`` makes and runs them one
 at a time, counting shared-FS metadata operations per process (simfs counts
-per pid; the stage and clean steps have one process per node):
+per pid; the stage and clean steps have one process per node, ``sbcast``
+one per job, on this host):
 
 - ``F``: ``from mpi4py import MPI`` on each node, the floor any MPI program pays;
-- ``stage``: the stage step (its rank 0's node also reads the bundle);
+- ``stage``: the stage step as ``mpistage run`` makes it in an allocation:
+  a private directory on each node, ``sbcast`` of the bundle and of the
+  extractor, the extractor run by the node's own python
+  (mpistage.cli.slurmstage);
+- ``stage, python per node``: the stage step as it is without ``sbcast``,
+  ``mpistage stage`` started from the shared environment on each node (its
+  rank 0's node also reads the bundle);
 - ``run``: the run step, every rank from its node's staged interpreter;
 - ``clean``: the clean step (``/bin/sh`` and ``rm`` of the node);
-- ``clean-python``: the clean step as it was before, ``python -m mpistage
-  clean DIR`` from the shared environment, for comparison;
 
 and then ``mpistage run`` itself, end to end, started from the shared
 environment as a user would. Steps are interleaved across repeats; the
@@ -88,40 +93,49 @@ def count_steps(bench, bundle, args):
     env = plan.run_environ()
     nodes = os.environ["SLURM_NNODES"]
     per_node = ["srun", "-N", nodes, "-n", nodes, "--ntasks-per-node=1"]
+    scratch = tempfile.mkdtemp(prefix="mpistage-slurm-run-")
     steps = {
-        "F": [*per_node, python, "-c", FLOOR],
-        "stage": plan.stage_command(),
-        "run": plan.run_command(env),
-        "clean": plan.clean_command(),
-        "stage again": plan.stage_command(),
-        "clean-python": [*per_node, python, "-m", "mpistage", "clean", plan.folder],
+        "F": [[*per_node, python, "-c", FLOOR]],
+        "stage": plan.stage_commands(scratch),
+        "run": [plan.run_command(env)],
+        "clean": [plan.clean_command()],
+        "stage, python per node": [plan.stage_command()],
+        "clean again": [plan.clean_command()],
     }
     envs = {"run": env}
-    whole = [python, "-m", "mpistage", "run", "--env", bundle, "--", *line]
+    whole = [python, bench.layout.command, "run", "--env", bundle, "--", *line]
     rows = []
     for rep in range(args.repeat):
-        for name, command in steps.items():
-            rows.append(step(bench, name, command, envs.get(name), rep))
-        rows.append(step(bench, "mpistage run", whole, None, rep, driver=True))
+        for name, commands in steps.items():
+            rows.append(step(bench, name, commands, envs.get(name), rep))
+        rows.append(step(bench, "mpistage run", [whole], None, rep, driver=True))
     return rows
 
 
-def step(bench, name, command, env, rep, driver=False):
-    """Run one launch with fresh counts; return its row."""
+def step(bench, name, commands, env, rep, driver=False):
+    """Run the launches of one step with fresh counts; return its row.
+
+    What this host's processes did (``sbcast``, ``mpistage run`` itself)
+    is once per job; the rest is the nodes'.
+    """
     from mpistage.bench.simfs import meta_ops, read_ops
 
     bench.fs.reset()
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True
-    )
-    status = proc.wait(timeout=600)
+    own = set()
+    for command in commands:
+        proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True
+        )
+        status = proc.wait(timeout=600)
+        if status:
+            raise SystemExit(f"{name} failed with status {status}: {command!r}")
+        if driver or os.path.basename(command[0]) == "sbcast":
+            own.add(str(proc.pid))
     seconds = time.perf_counter() - start
-    if status:
-        raise SystemExit(f"{name} failed with status {status}: {command!r}")
     stats = bench.fs.stats()
     per_pid = stats.get("per_pid", {})
-    own = per_pid.pop(str(proc.pid), {}) if driver else {}
+    job = sum(meta_ops(per_pid.pop(pid, {})) for pid in own)
     ops = sorted((meta_ops(c) for c in per_pid.values()), reverse=True)
     readers = [p for p, c in per_pid.items() if read_ops(c)]
     row = {
@@ -131,12 +145,12 @@ def step(bench, name, command, env, rep, driver=False):
         "processes": len(per_pid),
         "ops_max": ops[0] if ops else 0,
         "ops_min": ops[-1] if ops else 0,
-        "ops_total": meta_ops(stats) - meta_ops(own),
-        "driver_ops": meta_ops(own),
+        "ops_total": meta_ops(stats) - job,
+        "driver_ops": job,
         "reads": read_ops(stats),
         "readers": len(readers),
     }
-    progress(f"{rep} {name:14} {seconds:6.2f} s  {row}")
+    progress(f"{rep} {name:24} {seconds:6.2f} s  {row}")
     return row
 
 
@@ -146,7 +160,7 @@ def report(rows, args):
     print(f"medians of {args.repeat}")
     print(
         "| step | wall s | processes on the shared FS | ops, busiest process | "
-        "ops, least busy | ops, all | `mpistage run` itself |"
+        "ops, least busy | ops, all | ops once per job (this host) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in dict.fromkeys(r["step"] for r in rows):

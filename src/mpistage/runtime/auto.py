@@ -188,7 +188,7 @@ class Recorder:
         from mpistage.runtime.bundlefile import python_tag
 
         self.active = False
-        paths = self.paths | module_files(self.preloaded) | mapped_files()
+        paths = originals(self.paths | module_files(self.preloaded) | mapped_files())
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
         return {
@@ -221,6 +221,7 @@ def finder_roots(entries):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
         if "." in name or not origin or not _os.path.isabs(origin):
             continue
+        origin = next(iter(originals([origin])))
         if origin.startswith(prefixes) or not _os.path.isfile(origin):
             continue
         is_package = _os.path.basename(origin).startswith("__init__.")
@@ -240,6 +241,12 @@ def module_files(skip=()):
             if path and _os.path.isabs(path) and _os.path.isfile(path):
                 found.add(_os.path.normpath(path))
     return found
+
+
+def originals(paths):
+    """Return *paths* with the node boot's copies named by their originals."""
+    boot = _sys.modules.get("mpistage.nodeboot")
+    return {boot.original(p) for p in paths} if boot is not None else set(paths)
 
 
 def mapped_files():

@@ -49,8 +49,19 @@ def candidates():
     """Return the staging candidates in order of preference."""
     found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)
     if flag("MPISTAGE_STAGE_FALLBACK", True):
-        found += [_os.path.expandvars(p) for p in DEFAULT_CANDIDATES]
+        found += [expand(p) for p in DEFAULT_CANDIDATES]
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
+
+
+def expand(candidate):
+    """Return a default candidate with its variable (``$TMPDIR``) put in, if set.
+
+    Not ``os.path.expandvars``: that imports ``re``, which the node boot
+    must not read from the shared file system before MPI.
+    """
+    if candidate.startswith("$"):
+        return _os.environ.get(candidate[1:]) or candidate
+    return candidate
 
 
 class StagingDir:

@@ -195,6 +195,46 @@ def stage_env(world, bundle, template):
     return folder, staged.manifest, reused
 
 
+def stage_here(bundle, folder):
+    """Stage the environment in the local file *bundle* into *folder*, without MPI.
+
+    One node alone: the Slurm stage step's extractor, after ``sbcast``
+    brought the bundle (:mod:`mpistage.cli.slurmstage`). The checks and the
+    place are those of ``mpistage stage``. Returns whether *folder* held a
+    complete stage of the bundle already.
+    """
+    from mpistage.runtime.extract import Footprint, extract
+    from mpistage.runtime.read import read_checked
+
+    buf, manifest = read_checked(bundle, "env")
+    place = TargetPlace(folder)
+    root = place.make(buf, Footprint(manifest))
+    if root.reused:
+        root.close()
+        return True
+    try:
+        extract(root.fd, buf, manifest, bundle)
+        place.done(root, buf)
+    except BaseException:
+        place.discard(root)
+        raise
+    root.close()
+    return False
+
+
+def main_here(argv):
+    """``python STAGE.pyz BUNDLE DIR``: :func:`stage_here`; return the exit status."""
+    try:
+        bundle, folder = argv
+        stage_here(bundle, folder)
+    except (StageError, ValueError) as exc:
+        node = _os.environ.get("SLURMD_NODENAME") or _os.uname().nodename
+        reason = exc if isinstance(exc, StageError) else f"give BUNDLE DIR, not {argv}"
+        print(f"mpistage: error: on {node}: {reason}", file=_sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     try:

@@ -1,12 +1,13 @@
 # Two commands for a fresh machine:
 #   make demo   the side-by-side demo of the runner (installs what it needs)
-#   make test   ruff and the test suite (installs what it needs)
+#   make test   ruff and the test suite, the launcher tier included (installs
+#               what it needs, brings up the Slurm test cluster)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mpistage-installed
 
-.PHONY: demo test lint venv system clean
+.PHONY: demo test test-fast lint venv system launchers clean
 
 venv: $(STAMP)
 
@@ -20,14 +21,28 @@ system:
 	./scripts/ensure-system-packages
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks bin
+	$(VENV)/bin/ruff format --check src tests benchmarks bin
 
-test: venv system lint
+# The launcher tier's systems: a two-node Slurm cluster on this machine
+# (scripts/slurm-cluster) and a venv whose mpi4py is built against Debian's
+# Open MPI (scripts/openmpi-venv). Both need root and the Debian packages;
+# without them the tier skips itself, with one line.
+launchers: venv system
+	@if [ "$$(id -u)" -eq 0 ] && command -v slurmd >/dev/null && \
+	    command -v mpicc.openmpi >/dev/null; then \
+	  ./scripts/slurm-cluster up && ./scripts/openmpi-venv >/dev/null; fi
+
+test: venv system lint launchers
 	$(PY) -m pytest -q
+
+# The quick subset while editing: no tier of real launchers or packages, no
+# end-to-end bench or environment runs (a few minutes).
+test-fast: venv lint
+	$(PY) -m pytest -q -m "not slow and not packages and not launchers"
 
 demo: venv system
 	./scripts/demo
 
 clean:
-	rm -rf $(VENV) build bench-out .pytest_cache
+	rm -rf $(VENV) .venv-openmpi build bench-out .pytest_cache

@@ -11,7 +11,10 @@ from mpistage.bench.sweep import COLUMNS
 from stagetools import clean_environ, run
 
 FUSE_REASON = simfs.fuse_available()
-pytestmark = pytest.mark.skipif(FUSE_REASON is not None, reason=str(FUSE_REASON))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(FUSE_REASON is not None, reason=str(FUSE_REASON)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def realistic(tmp_path_factory):
     out = tmp_path_factory.mktemp("realistic") / "out"
     args = [
         *("-m", "mpistage", "bench", "run", "--workload", "generated"),
-        *("--modules", "12", "--extensions", "1", "--ranks", "1,3", "--nodes", "2"),
+        *("--modules", "12", "--extensions", "1", "--ranks", "1,6", "--nodes", "2"),
         *("--latency", "0", "--modes", "floor,plain,mpistage,staged-env"),
         *("-o", str(out)),
     ]
@@ -90,17 +93,18 @@ def test_the_figures_show_the_shared_fs_traffic_of_each_mode(bench):
 def test_realistic_layout_counts_what_every_rank_pays(realistic):
     cell = {(r["mode"], r["ranks"]): r for r in realistic}
     assert all(r["layout"] == "realistic" for r in realistic)
-    floor = cell[("floor", 3)]["ops_rank_median"]  # F: python + mpi4py, per rank
+    floor = cell[("floor", 6)]["ops_rank_median"]  # F: python + mpi4py, per rank
     assert floor > 500  # the interpreter itself starts from the shared FS
-    plain, staged = cell[("plain", 3)], cell[("mpistage", 3)]
+    plain, staged = cell[("plain", 6)], cell[("mpistage", 6)]
     assert plain["ops_rank_median"] > floor
-    # ranks other than 0 pay F plus the runner's own start, nothing per module
-    assert (
-        floor < staged["ops_rank_median"] < min(floor + 250, plain["ops_rank_median"])
-    )
-    assert staged["ops_rank_max"] == staged["ops_rank_median"]
+    # one rank per node imports mpi4py (no more than F + 200: it loads the
+    # libraries from the copy it makes); most others pay the interpreter's
+    # start and little else
+    assert 0 < staged["ops_first"] <= floor + 200
+    assert staged["ops_rank_max"] == staged["ops_first"]
+    assert staged["ops_rank_median"] < floor / 2
     # the staged environment: a stage step per node, then nothing at all
-    env = cell[("staged-env", 3)]
+    env = cell[("staged-env", 6)]
     assert env["ops_rank0"] == env["ops_rank_max"] == 0
     assert env["ops_stage_node"] > 0 and env["stage_s"] > 0
 

@@ -34,7 +34,7 @@ from stagetools import (
     run,
 )
 
-pytestmark = pytest.mark.usefixtures("reap_mpich_shm")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
 
 SHELL_LINE = re.compile(r"^(export [A-Z_]+=|unset [A-Z_ ]+$)")
 

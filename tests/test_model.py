@@ -81,8 +81,11 @@ def test_cli_prints_the_table_from_defaults(capsys):
         for ranks, nodes in (("1,024", "32"), ("16,384", "512"), ("131,072", "4,096"))
         for mode in ("plain", "mpistage", "mpistage-trust", "staged-env")
     ]
-    # plain at 16,384 ranks: 16,384 × 6,142 ops at 40,000 ops/s = 2,516 s
-    assert rows[4][3] == "2,516"
+    # plain at 16,384 ranks: 16,384 × 6,073 ops at 40,000 ops/s = 2,487.5 s
+    assert rows[4][3] == "2,488"
+    # the runner: 508 + 512 first ranks × 1,626 + 15,872 others × 553 ops
+    # = 9,610,236 ops at 40,000 ops/s = 240 s
+    assert rows[5][2] == "mpistage" and rows[5][3] == "240"
     for i in range(0, 12, 4):
         totals = [float(r[8].replace(",", "")) for r in rows[i : i + 4]]
         assert totals[0] > totals[1] >= totals[2] > totals[3]
@@ -161,6 +164,26 @@ def test_cli_prints_the_table_from_a_results_file(results, capsys):
     assert rows[("1,024", "mpistage")][6] == "0.010"
     assert "note: staged-env: not in the results; built-in inputs" in out
     assert "note: mpistage:" not in out
+
+
+def test_a_node_boot_charges_each_node_its_first_rank(tmp_path, capsys):
+    # 8 ranks on 2 nodes: the first rank of each node paid 1,600 ops, the
+    # others 500; rank 0 (a first rank) 2,000
+    boot = dict(RUNNER_1, ops_first=1600)
+    results = write_results(
+        tmp_path / "results.json",
+        [
+            cell("mpistage", 1, 1, 2.0, 1500, 1500, 1500, **RUNNER_1),
+            cell("mpistage", 8, 2, 10.0, 2000, 500, 5600, **boot),
+        ],
+    )
+    argv = ["--results", str(results), "--ranks", "1024", "--modes", "mpistage"]
+    assert cli_model(argv) == 0
+    out = capsys.readouterr().out
+    # ops/rank 500, rank 0's extra 2,000 - 500, each node's extra 1,600 - 500
+    assert "| mpistage | 500 | 1,500 | 1,100 | 0 |" in out
+    # 1,500 + 32 nodes × 1,600 + 992 × 500 = 548,700 ops at 40,000/s = 13.7 s
+    assert table_rows(out)[0][3] == "13.7"
 
 
 def test_validation_arithmetic(results, capsys):

@@ -446,6 +446,7 @@ def finish(proc):
             proc.wait()
 
 
+@pytest.mark.slow
 def test_leader_killed_while_extracting_leaves_no_copy(
     stage_env, stage_dir, slow_bundle
 ):
@@ -463,6 +464,7 @@ def test_leader_killed_while_extracting_leaves_no_copy(
     assert settled(stage_dir) == []
 
 
+@pytest.mark.slow
 def test_sigterm_while_extracting_leaves_no_copy(stage_env, stage_dir, slow_bundle):
     proc = start_job(slow_bundle, stage_env, nodes=2)
     try:

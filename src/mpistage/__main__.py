@@ -5,9 +5,11 @@
 ``mpistage -m mod``, ``mpistage -c code``), and ``mpistage stage`` is the
 stager; both run in every rank of a job, so this file keeps their start-up
 to the least: it imports mpi4py with the ``PYTHONPATH`` entries and the
-script directory off ``sys.path`` (they are searched for nothing), gets the
-runtime package from rank 0 (:func:`mpistage.load_runtime`), restores
-``sys.path`` exactly, and hands over.
+script directory off ``sys.path`` (they are searched for nothing), one rank
+per node from the shared file system and the others from its node-local
+copy (:mod:`mpistage.nodeboot`), gets the runtime package from rank 0
+(:func:`mpistage.load_runtime`), restores ``sys.path`` exactly, and hands
+over.
 """
 
 import os as _os
@@ -45,6 +47,10 @@ def main(argv=None):
         raise
     except BaseException as exc:
         crash(world, exc)
+    finally:
+        from mpistage.nodeboot import leave
+
+        leave()
     _sys.exit(status)
 
 
@@ -61,13 +67,15 @@ def looks_like_command(word):
 
 def boot():
     """Import mpi4py and the runtime without searching ``PYTHONPATH``; return world."""
+    from mpistage import load_local, load_runtime
+
     saved = _sys.path[:]
     _sys.path[:] = boot_path(saved)
     try:
-        from mpi4py import MPI
+        load_local("mpistage", ("nodeboot", "nodeimport"))
+        from mpistage.nodeboot import import_mpi
 
-        from mpistage import load_runtime
-
+        MPI = import_mpi()
         load_runtime(MPI.COMM_WORLD)
     finally:
         _sys.path[:] = saved

@@ -70,6 +70,11 @@ class Packages(Layout):
         """The local interpreter (with mpistage, mpi4py and the MPICH wheel)."""
         return _sys.executable
 
+    @property
+    def command(self):
+        """The ``mpistage`` command installed beside it."""
+        return installed_command()
+
     def driver_site(self):
         """The root the driver puts on ``sys.path`` itself (site variant only)."""
         return None if self.via == "pythonpath" else self.testbed.shared_site
@@ -101,6 +106,11 @@ class Realistic(Layout):
         """The venv's ``bin/python``, on the mount."""
         return self.mounted(_os.path.join(self.venv, "bin", "python"))
 
+    @property
+    def command(self):
+        """The venv's ``bin/mpistage`` (the ``mpistage`` command), on the mount."""
+        return self.mounted(_os.path.join(self.venv, "bin", "mpistage"))
+
     def driver_site(self):
         """Nothing: the venv's site-packages is on ``sys.path`` already."""
         return None
@@ -111,6 +121,7 @@ class Realistic(Layout):
         make_venv(self.venv, self.mounted(self.base))
         copy_packages(self.site)
         install_mpistage(self.site)
+        install_command(_os.path.join(self.venv, "bin"), self.python)
         _os.makedirs(self.workload_dir(), exist_ok=True)
         workload.build(self.workload_dir())
 
@@ -198,6 +209,28 @@ def install_mpistage(site):
             f"Metadata-Version: 2.1\nName: mpistage\nVersion: {mpistage.__version__}\n"
         )
     write_record(site, info, [target, info])
+
+
+def installed_command():
+    """Return the ``mpistage`` command of this environment (a script)."""
+    import sysconfig
+
+    path = _os.path.join(sysconfig.get_path("scripts"), "mpistage")
+    if not _os.path.isfile(path):
+        from mpistage import StageError
+
+        raise StageError(f"no mpistage command at {path!r}: install mpistage")
+    return path
+
+
+def install_command(folder, python):
+    """Install the ``mpistage`` command into *folder* as pip would, for *python*."""
+    with open(installed_command()) as f:
+        body = f.read().split("\n", 1)[1]
+    path = _os.path.join(folder, "mpistage")
+    with open(path, "w") as f:
+        f.write(f"#!{python}\n{body}")
+    _os.chmod(path, 0o755)
 
 
 def write_record(site, info, trees):

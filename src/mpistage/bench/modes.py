@@ -8,8 +8,10 @@ and the workload are. Add a mode by writing a class and listing it in
 
 - ``floor``: ``from mpi4py import MPI`` alone: what any MPI program pays;
 - ``plain``: the workload imported as usual;
-- ``mpistage``, ``mpistage-trust``: the runner with a bundle on the shared FS
-  (``pack NAMES --stdlib``), with and without the staleness check;
+- ``mpistage``, ``mpistage-trust``: the runner (the ``mpistage`` command)
+  with a bundle on the shared FS (``pack NAMES --stdlib``), with and
+  without the staleness check;
+- ``mpistage-m``: the same started as ``python -m mpistage``;
 - ``auto``: the runner's ``--auto``, second run (packages layout);
 - ``live``: the runner with no bundle: imports served live (rank 0 reads,
   each node keeps a copy);
@@ -152,8 +154,8 @@ class Bundled(Mode):
         run([self.python(testbed), "-m", "mpistage", *args], env, "pack", 1)
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage --bundle``."""
-        return ["-m", "mpistage", "--bundle", self.bundle]
+        """Run the target through ``mpistage --bundle`` (python runs the command)."""
+        return [testbed.layout.command, "--bundle", self.bundle]
 
     def env(self, testbed, nodes):
         """Also ask the runner for its JSON report."""
@@ -172,6 +174,17 @@ class BundledTrust(Bundled):
     def runner(self, testbed):
         """Run the target through ``python -m mpistage --bundle --trust``."""
         return super().runner(testbed) + ["--trust"]
+
+
+class BundledModule(Bundled):
+    """The runner started as ``python -m mpistage``: ``runpy`` imports first."""
+
+    name = "mpistage-m"
+    layouts = ("realistic",)
+
+    def runner(self, testbed):
+        """Run the target through ``python -m mpistage --bundle``."""
+        return ["-m", "mpistage", "--bundle", self.bundle]
 
 
 class Auto(Bundled):
@@ -193,8 +206,8 @@ class Auto(Bundled):
         self.cache = _os.path.join(testbed.mount, "cache")
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage --auto``."""
-        return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
+        """Run the target through ``mpistage --auto``."""
+        return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
 
 
 class Live(Mode):
@@ -258,24 +271,14 @@ class StagedEnv(Mode):
         self.local = _os.path.join(testbed.local_dir, self.name)
 
     def stage_command(self, testbed, nodes):
-        """``mpiexec -n NODES python -m mpistage stage BUNDLE --to LOCAL/n{node}``."""
-        python = self.stager(testbed)
+        """``mpiexec -n NODES python mpistage stage BUNDLE --to LOCAL/n{node}``."""
         to = _os.path.join(self.local, "n{node}")
-        args = [
-            python,
-            "-m",
-            "mpistage",
-            "stage",
-            self.bundle,
-            "--to",
-            to,
-            "--print-env",
-        ]
-        return [testbed.mpiexec, "-n", str(nodes), *args]
+        args = ["stage", self.bundle, "--to", to, "--print-env"]
+        return [testbed.mpiexec, "-n", str(nodes), *self.stager(testbed), *args]
 
     def stager(self, testbed):
-        """The interpreter the stage step starts: the shared environment's."""
-        return testbed.layout.python
+        """What the stage step starts: the shared environment's mpistage command."""
+        return [testbed.layout.python, testbed.layout.command]
 
     def command(self, testbed, ranks, code):
         """Each rank execs its node's staged ``bin/python``."""
@@ -397,7 +400,7 @@ class StagedSmallEnv(StagedEnv):
 
     def stager(self, testbed):
         """The packages layout stages with the local interpreter."""
-        return _sys.executable
+        return [_sys.executable, testbed.layout.command]
 
 
 MODES = {
@@ -408,6 +411,7 @@ MODES = {
             Plain,
             Bundled,
             BundledTrust,
+            BundledModule,
             Live,
             AutoFirst,
             StagedEnv,

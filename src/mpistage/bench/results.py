@@ -44,9 +44,9 @@ def table(rows):
     """Return the medians as a markdown table: time and metadata ops per rank."""
     lines = [
         "| workload | layout | ranks | nodes | mode | total s | stage s "
-        "| ops rank 0 | ops other ranks (median / max) | ops per node, stage step "
-        "| MB read |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| ops rank 0 | ops other ranks (median / max) | ops, first rank of a node "
+        "| ops per node, stage step | MB read |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in cell_medians(rows):
         layout = r["layout"] + (" (PYTHONPATH)" if r["via"] == "pythonpath" else "")
@@ -55,9 +55,15 @@ def table(rows):
             f"| {r['mode']} | {r['total_s']:.2f} | {r['stage_s']:.2f} "
             f"| {r['ops_rank0']:.0f} "
             f"| {r['ops_rank_median']:.0f} / {r['ops_rank_max']:.0f} "
+            f"| {count(r['ops_first'])} "
             f"| {r['ops_stage_node']:.0f} | {r['bytes_read'] / MB:.1f} |"
         )
     return "\n".join(lines)
+
+
+def count(value):
+    """Return an op count for the table, ``–`` for none."""
+    return f"{value:.0f}" if value else "–"
 
 
 def plot(rows, path, meta):

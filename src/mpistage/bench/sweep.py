@@ -12,8 +12,10 @@ For every workload, rank count and mode (interleaved, repeated), it launches
 - ``stage_s``: the runner's read + validate + broadcast + stage + activate,
   or the stage step's wall time;
 - shared-FS metadata operations (all but data reads): in total, of rank 0,
-  the median and the largest of the other ranks, and the largest per node
-  of a stage step; data reads and bytes read.
+  the median and the largest of the other ranks, the largest of the ranks
+  (other than 0) that imported mpi4py for their node (the node boot, from
+  the runner's report), and the largest per node of a stage step; data
+  reads and bytes read.
 """
 
 import json as _json
@@ -55,6 +57,7 @@ COLUMNS = (
     "ops_rank0",
     "ops_rank_median",
     "ops_rank_max",
+    "ops_first",
     "ops_stage_node",
     "read_ops",
     "bytes_read",
@@ -131,6 +134,7 @@ def measure(testbed, start, stats, extra, nodes):
         "ops_rank0": ops[0],
         "ops_rank_median": _statistics.median(others),
         "ops_rank_max": max(others),
+        "ops_first": max((ops[r] for r in first_ranks(testbed) if r), default=0),
         "ops_stage_node": max(
             map(meta_ops, stage.get("per_pid", {}).values()), default=0
         ),
@@ -144,6 +148,15 @@ def per_rank_ops(stats, ranks):
     """Return the metadata operations of each rank, in rank order."""
     per_pid = stats.get("per_pid", {})
     return [meta_ops(per_pid.get(str(pid), {})) for _, pid, _, _ in ranks]
+
+
+def first_ranks(testbed):
+    """Return the ranks that imported mpi4py for their node (the runner's report)."""
+    if not _os.path.exists(testbed.report_path):
+        return []
+    with open(testbed.report_path) as f:
+        start = _json.load(f).get("start") or {}
+    return start.get("first", [])
 
 
 def bundle_bytes(testbed):

@@ -32,9 +32,9 @@ class Numpy(Workload):
     def build(self, site):
         """Copy numpy, its metadata and numpy.libs, as `pack` would take them."""
         from mpistage.bundle.pack import add_package
-        from mpistage.bundle.writer import Selection as Roots
+        from mpistage.bundle.writer import Selection
 
-        roots = Roots(exclude=["*/tests"])
+        roots = Selection(exclude=["*/tests"])
         add_package(roots, "numpy")
         copy_files(roots, site)
 
@@ -66,9 +66,9 @@ class Code(Workload):
     def build(self, site):
         """Copy each named package as `pack` would take it."""
         from mpistage.bundle.pack import add_package
-        from mpistage.bundle.writer import Selection as Roots
+        from mpistage.bundle.writer import Selection
 
-        roots = Roots()
+        roots = Selection()
         for name in self.packages:
             add_package(roots, name)
         copy_files(roots, site)
@@ -77,7 +77,7 @@ class Code(Workload):
 def copy_files(roots, dest):
     """Copy the files chosen in *roots* below *dest*, keeping relative paths."""
     for root in roots.paths:
-        for path in sorted(roots.files[root]):
+        for path in sorted(roots.taken(root)):
             target = _os.path.join(dest, _os.path.relpath(path, root))
             if _os.path.islink(path):
                 _os.symlink(_os.readlink(path), target)

@@ -130,7 +130,7 @@ def take_env(roots, env):
     if env.base and _os.path.isdir(bindir):
         for name in _os.listdir(bindir):
             if name.startswith("python"):
-                roots.files[env.prefix].discard(_os.path.join(bindir, name))
+                roots.drop(env.prefix, _os.path.join(bindir, name))
 
 
 def check_base(env):
@@ -163,7 +163,7 @@ def elf_members(roots):
     from mpistage.bundle.elfdeps import is_elf
 
     for root in roots.paths:
-        for path in roots.files[root]:
+        for path in roots.taken(root):
             if not _os.path.islink(path) and _os.path.isfile(path) and is_elf(path):
                 yield path
 
@@ -180,9 +180,7 @@ def take_libraries(roots, env, exclude_libs):
         if not any(path.startswith(r + _os.sep) for r in roots.paths[:2]):
             outside[name] = path
     for _name, path in sorted(outside.items()):
-        folder = _os.path.dirname(path)
-        roots.index(folder)
-        roots.files[folder].add(path)
+        roots.add(_os.path.dirname(path), path)
     return outside, missing
 
 
@@ -274,12 +272,12 @@ def write_env(output, roots, env, libs, missing):
     from mpistage.bundle.writer import write
 
     for root in roots.paths:
-        roots.dest[root] = destination(roots, env, root)
-        for path in sorted(roots.files[root]):
+        roots.place(root, destination(roots, env, root))
+        for path in sorted(roots.taken(root)):
             place_member(roots, env, root, path)
     if env.base:
         for name in ("python", "python3"):
-            roots.links.append((0, f"bin/{name}", f"python{env.version}"))
+            roots.link(env.prefix, f"bin/{name}", f"python{env.version}")
     fields = {
         "kind": "env",
         "created_by": "pack --env",
@@ -303,9 +301,9 @@ def place_member(roots, env, root, path):
     source = path
     if destination(roots, env, root) == "lib":
         # The soname the loader asks for, with the content it resolves to.
-        roots.rename[path] = _os.path.basename(path)
-        source = roots.source[path] = _os.path.realpath(path)
+        source = _os.path.realpath(path)
+        roots.relocate(root, path, rel=_os.path.basename(path), source=source)
     if _os.path.isfile(source) and not _os.path.islink(source):
         data = relocated(roots, env, root, source)
         if data is not None:
-            roots.data[path] = data
+            roots.relocate(root, path, data=data)

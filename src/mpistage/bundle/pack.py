@@ -143,12 +143,10 @@ def add_stdlib(selection):
     """Add the standard library, as the runtime finds it, without its tests."""
     from mpistage.runtime.roots import stdlib_dirs
 
-    excluded = selection.exclude
-    selection.exclude = excluded + STDLIB_EXCLUDE
-    for folder in stdlib_dirs():
-        for child in sorted(_os.listdir(folder)):
-            selection.take(folder, _os.path.join(folder, child))
-    selection.exclude = excluded
+    with selection.excluding(STDLIB_EXCLUDE):
+        for folder in stdlib_dirs():
+            for child in sorted(_os.listdir(folder)):
+                selection.take(folder, _os.path.join(folder, child))
 
 
 def add_listings(selection):

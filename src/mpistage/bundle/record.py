@@ -156,14 +156,14 @@ def keep_used_tests(selection, used, roots):
     for path in used:
         found = root_of(path, roots)
         if found and selection.excluded(found[2]) and _os.path.isfile(path):
-            selection.files[selection.paths[selection.index(found[0])]].add(path)
+            selection.add(found[0], path)
 
 
 def tops(selection, root):
     """Return the top-level module names *selection* takes from *root*."""
     from mpistage.runtime.roots import top_name
 
-    for path in selection.files[root]:
+    for path in selection.taken(root):
         rel = _os.path.relpath(path, root)
         first, sep, _ = rel.partition(_os.sep)
         name = top_name(first, bool(sep) or _os.path.isdir(path))

@@ -1,6 +1,7 @@
 """The one bundle writer: fed (source, target) member records.
 
 :class:`Selection` is what a bundle will hold: its roots, and per root the
+:class:`Member` records (source, where it goes, new content) of the
 original files it takes (``pack``, ``record`` and ``pack --env`` each fill
 one). :func:`write` turns a selection into a bundle, atomically: members are
 streamed to a temporary file in the target's directory, the manifest comes
@@ -17,7 +18,9 @@ O(distributions + directories) (see :mod:`mpistage.runtime.validate`).
 
 Bundles are never bundled: files ending in ``.mpistage`` (and the writer's
 own temporaries) are left out, so ``pack --path .`` with the output in
-``.`` does not take the previous bundle and is not stale at once.
+``.`` does not take the previous bundle and is not stale at once. Nor are
+names at the top of a root that start with ``.mpistage``: a staging
+directory reserves them for mpistage's own files.
 """
 
 import os as _os
@@ -26,31 +29,85 @@ from mpistage import StageError
 from mpistage.runtime import bundlefile
 
 COPY_SIZE = 1 << 20
-BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp")
+# Never bundled: bundles, the writer's temporaries, and names at the top of a
+# root that a staging directory reserves for mpistage's own files.
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", bundlefile.RESERVED + "*")
+
+
+class Member:
+    """One file, directory or symlink a bundle will hold (conda-pack's ``File``).
+
+    It is read from *source* (the original, or the file a symlink resolves
+    to) and stored as *rel* below its root; *data*, when given, replaces the
+    content (a relocated script or binary).
+    """
+
+    __slots__ = ("data", "rel", "source")
+
+    def __init__(self, source, rel, data=None):
+        self.source, self.rel, self.data = source, rel, data
 
 
 class Selection:
-    """The roots of a bundle and, for each, the original paths it takes."""
+    """The roots of a bundle and, for each, the members it takes from it.
+
+    Roots keep the order they were first named in (their number in the
+    manifest). Members are keyed by their original path. The tools fill a
+    selection through these methods only.
+    """
 
     def __init__(self, exclude=()):
-        self.paths, self.files, self.exclude = [], {}, tuple(exclude) + BUNDLES
-        self.dest, self.data, self.rename, self.links = {}, {}, {}, []
-        self.source = {}
+        self.exclude = tuple(exclude) + BUNDLES
+        self.roots, self.dests, self.links = {}, {}, []
+
+    @property
+    def paths(self):
+        """The roots, in order."""
+        return list(self.roots)
 
     def index(self, root):
         """Return the number of *root*, registering it on first use."""
         root = _os.path.abspath(root)
-        if root not in self.files:
-            self.paths.append(root)
-            self.files[root] = set()
+        self.roots.setdefault(root, {})
         return self.paths.index(root)
+
+    def taken(self, root):
+        """Return the original paths taken below *root*."""
+        return set(self.roots.get(_os.path.abspath(root), ()))
 
     def take(self, root, path):
         """Add *path* (below *root*) and, for a directory, all below it."""
         self.index(root)
         root = _os.path.abspath(root)
-        kept = (p for p in walk(path) if not self.excluded(_os.path.relpath(p, root)))
-        self.files[root].update(kept)
+        for found in walk(path):
+            if not self.excluded(_os.path.relpath(found, root)):
+                self.add(root, found)
+
+    def add(self, root, path):
+        """Add *path* below *root* alone, exclusions or not."""
+        self.index(root)
+        root = _os.path.abspath(root)
+        if path != root and path not in self.roots[root]:
+            self.roots[root][path] = Member(path, _os.path.relpath(path, root))
+
+    def drop(self, root, path):
+        """Leave *path* out after all."""
+        self.roots[_os.path.abspath(root)].pop(path, None)
+
+    def relocate(self, root, path, rel=None, source=None, data=None):
+        """Store *path* as *rel*, read from *source*, or with *data* instead."""
+        member = self.roots[_os.path.abspath(root)][path]
+        member.rel = member.rel if rel is None else rel
+        member.source = member.source if source is None else source
+        member.data = member.data if data is None else data
+
+    def place(self, root, dest):
+        """Put *root* at *dest* below the staging directory (environments)."""
+        self.dests[_os.path.abspath(root)] = dest
+
+    def link(self, root, rel, target):
+        """Add a symlink *rel* below *root* that points to *target*."""
+        self.links.append((self.index(root), rel, target))
 
     def excluded(self, rel):
         """Whether *rel* or one of its parent directories matches an exclusion."""
@@ -62,17 +119,29 @@ class Selection:
             rel = _os.path.dirname(rel)
         return False
 
-    def records(self):
-        """Yield (root index, rel, source path, replacement data) in order.
+    def excluding(self, patterns):
+        """A context in which *patterns* are excluded too."""
+        return _Excluding(self, tuple(patterns))
 
-        A member is read from its source (itself, unless renamed to the file a
-        symlink resolves to), with its content replaced when relocated.
-        """
-        for index, root in enumerate(self.paths):
-            for path in sorted(self.files[root]):
-                if path != root:
-                    rel = self.rename.get(path, _os.path.relpath(path, root))
-                    yield index, rel, self.source.get(path, path), self.data.get(path)
+    def records(self):
+        """Yield (root index, original path, member) in manifest order."""
+        for index, members in enumerate(self.roots.values()):
+            for path in sorted(members):
+                yield index, path, members[path]
+
+
+class _Excluding:
+    """Adds exclusion patterns to a selection for a while."""
+
+    def __init__(self, selection, patterns):
+        self.selection, self.patterns = selection, patterns
+
+    def __enter__(self):
+        self.saved = self.selection.exclude
+        self.selection.exclude = self.saved + self.patterns
+
+    def __exit__(self, *exc):
+        self.selection.exclude = self.saved
 
 
 def walk(path):
@@ -107,8 +176,9 @@ def write(output, selection, fields):
     }
     owned = [set(r.pop("_owned")) for r in roots]
     with Writer(output) as writer:
-        for index, rel, path, data in selection.records():
-            writer.add(index, rel, path, data, rel in owned[index])
+        for index, path, member in selection.records():
+            rel = member.rel
+            writer.add(index, rel, member.source, member.data, rel in owned[index])
             if incomplete(selection, index, path):
                 writer.members[-1]["partial"] = True
         for index, rel, target in selection.links:
@@ -145,7 +215,7 @@ def incomplete(selection, index, path):
     """Whether the directory *path* has entries the selection left out."""
     if _os.path.islink(path) or not _os.path.isdir(path):
         return False
-    taken = selection.files[selection.paths[index]]
+    taken = selection.taken(selection.paths[index])
     return any(_os.path.join(path, name) not in taken for name in _os.listdir(path))
 
 
@@ -157,9 +227,9 @@ def root_entry(selection, root):
     if _os.path.isdir(root):
         st = _os.stat(root)
         entry["identity"] = [st.st_ino, st.st_mtime_ns]
-    if root in selection.dest:
-        entry["dest"] = selection.dest[root]
-    dists, owned = distributions(root, selection.files[root])
+    if root in selection.dests:
+        entry["dest"] = selection.dests[root]
+    dists, owned = distributions(root, selection.taken(root))
     if dists:
         entry["dists"] = dists
     if in_stdlib(root):

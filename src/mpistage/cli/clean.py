@@ -5,11 +5,40 @@ roots. Each root records the host and pid of the leader that made it; a
 root of this user, on this host, whose leader is gone or a zombie is stale.
 Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
 complete or interrupted. Removal is :func:`mpistage.runtime.cleanup.remove`.
+
+:data:`REMOVE_STAGE` is the same removal for ``mpistage run``'s clean step,
+as a ``/bin/sh`` script: it runs on every node, where starting Python from
+the shared file system would cost as much as the stage step itself, and
+where the stage may be half-written or missing.
 """
 
 import os as _os
 
 from mpistage import StageError
+
+# sh -c REMOVE_STAGE mpistage-clean DIR...: remove each DIR that holds the
+# marker of `mpistage stage` (complete or interrupted); remove it if the
+# failed stage step left it empty; leave anything else and say so.
+REMOVE_STAGE = r"""
+status=0
+node=${SLURMD_NODENAME:-$(uname -n)}
+for dir in "$@"; do
+  if [ -L "$dir" ]; then
+    echo "mpistage: error: on $node: $dir is a symlink, not a stage; left as it is" >&2
+    status=1
+  elif [ ! -e "$dir" ]; then
+    :
+  elif [ ! -d "$dir" ] || [ ! -O "$dir" ]; then
+    echo "mpistage: error: on $node: $dir is not your directory; left as it is" >&2
+    status=1
+  elif [ -f "$dir/.mpistage-stage" ] && [ ! -L "$dir/.mpistage-stage" ]; then
+    rm -rf -- "$dir" || status=1
+  else
+    rmdir -- "$dir" 2>/dev/null || :
+  fi
+done
+exit $status
+"""
 
 
 def clean(folder=None, dry_run=False):
@@ -18,18 +47,20 @@ def clean(folder=None, dry_run=False):
     ``{node}`` in *folder* stands for each of ``MPISTAGE_EMULATE_NODES``
     emulated nodes, which share this machine.
     """
+    from mpistage.runtime.stager import node_dir, per_node
+
     if not folder:
         return clean_roots(dry_run)
-    if "{node}" not in folder:
+    if not per_node(folder):
         return clean_stage(folder, dry_run)
     count = int(_os.environ.get("MPISTAGE_EMULATE_NODES") or 1)
     found = []
     for node in range(count):
-        path = folder.replace("{node}", str(node))
+        path = node_dir(folder, node)
         if _os.path.isdir(path):
             found += clean_stage(path, dry_run)
-    parent = _os.path.dirname(folder.replace("{node}", "0"))
-    if "{node}" not in _os.path.dirname(folder) and not dry_run:
+    parent = _os.path.dirname(node_dir(folder, 0))
+    if not per_node(_os.path.dirname(folder)) and not dry_run:
         try:
             _os.rmdir(parent)  # The parent the stage step made, now empty.
         except OSError:

@@ -1,43 +1,41 @@
-"""``mpistage run --env BUNDLE -- LAUNCHER ... python APP ...``: two launches as one.
+"""``mpistage run --env BUNDLE -- LAUNCHER ... python APP ...``: the launches as one.
 
 Users write their launch line as always; ``mpistage run`` turns it into
-the two launches of the environment path (docs/stage.md):
+the launches of the environment path (docs/stage.md):
 
-1. the stage step, one rank per node: ``LAUNCHER (one task per node)
-   python -m mpistage stage BUNDLE --to DIR``, started with the ``python``
-   of the command (the shared environment, where mpistage is installed);
+1. the stage step, exactly one task on each node of the job:
+   ``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``, started
+   with the ``python`` of the command (the shared environment, where
+   mpistage is installed) and the ``mpistage`` command beside it (``python
+   -m mpistage`` when there is none: it costs ``runpy``'s imports); in a
+   Slurm allocation, ``sbcast`` and a node-local extractor instead, which
+   start no Python from the shared file system
+   (:mod:`mpistage.cli.slurmstage`);
 2. the run step: the command itself, with its ``python`` replaced by
    ``DIR/bin/python`` and the environment ``mpistage stage`` prints
    (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``);
-3. then, unless ``--keep``, ``mpistage clean DIR`` on every node, from the
-   staged interpreter. SIGINT and SIGTERM are passed on to the running step;
-   the clean step runs all the same.
+3. the clean step, unless ``--keep``: ``(one per node) /bin/sh`` removing
+   ``DIR`` (:data:`mpistage.cli.clean.REMOVE_STAGE`), which starts nothing
+   from the shared file system. It runs on every exit path: after the run
+   step, after a failed or interrupted stage step, after SIGINT or SIGTERM
+   (passed on to the step that runs, then the next steps are skipped). Its
+   own failure makes the exit status nonzero.
 
-How a launcher starts one task per node, for the stage and clean steps:
-
-- ``srun``: ``srun --ntasks-per-node=1`` plus the command's ``-N``/``--nodes``;
-- ``flux run``: ``flux run --tasks-per-node=1 -N NODES``;
-- ``mpiexec``, ``mpirun`` (MPICH): ``mpiexec -n NODES -ppn 1`` plus the
-  command's ``-hosts``/``-f``.
-
-``NODES`` comes from the command, else ``SLURM_NNODES``, ``PBS_NUM_NODES``
-or ``MPISTAGE_EMULATE_NODES``; ``--stage-launcher "CMD ..."`` replaces the
-whole prefix for any other launcher (Open MPI: ``mpirun --map-by
-ppr:1:node``).
+How a launcher starts one task per node is :mod:`mpistage.cli.launchers`.
+``srun`` outside an allocation first makes one, with ``salloc`` and the
+command's allocation options, and runs ``mpistage run`` inside it, so that
+the three steps share their nodes.
 """
 
 import os as _os
-import shlex as _shlex
 import signal as _signal
 import subprocess as _subprocess
+import sys as _sys
 
 from mpistage import StageError
-
-NODE_OPTIONS = {
-    "srun": ("-N", "--nodes"),
-    "flux": ("-N", "--nodes"),
-    "mpiexec": ("-hosts", "--hosts", "-f", "-hostfile", "--hostfile", "-machinefile"),
-}
+from mpistage.cli import slurmstage
+from mpistage.cli.launchers import emulated
+from mpistage.runtime.stager import NODE, node_dir, per_node
 
 
 def parser():
@@ -49,7 +47,7 @@ def parser():
         usage="mpistage run --env BUNDLE [--to DIR] [--keep] "
         "-- LAUNCHER [ARG ...] python [APP ARG ...]",
         description="Stage an environment bundle once per node, run the "
-        "command from it, and clean up: the two launches as one command.",
+        "command from it, and clean up: the launches as one command.",
     )
     p.add_argument("--env", required=True, metavar="BUNDLE", help="pack --env bundle")
     p.add_argument(
@@ -73,198 +71,324 @@ def main(argv):
     """Run ``mpistage run``; return the run step's exit status."""
     args = parser().parse_args(argv)
     plan = Plan(args)
-    status = plan.step(plan.stage_command(), "stage")
-    if status:
-        raise StageError(f"the stage step failed (exit status {status})")
-    try:
-        return plan.step(plan.run_command(), "run", plan.run_environ())
-    finally:
-        if not args.keep:
-            plan.step(plan.clean_command(), "clean")
+    outer = plan.launch.allocation()
+    with Signals() as signals:
+        if outer is not None:
+            return in_allocation(outer, argv, signals)
+        return Steps(plan, signals).run()
 
 
 class Plan:
-    """The three launches of one ``mpistage run``."""
+    """The commands of one ``mpistage run``."""
 
     def __init__(self, args):
-        self.args, self.command = args, list(args.command)
-        self.python_at = find_python(self.command)
-        self.kind = launcher_kind(self.command[0])
+        from mpistage.cli.launchers import understand
+
+        self.args = args
+        self.launch = understand(args.command, args.stage_launcher)
         self.folder = args.to or default_dir()
         self.bundle = _os.path.abspath(args.env)
-
-    def per_node(self):
-        """The prefix that starts one task per node."""
-        if self.args.stage_launcher:
-            return _shlex.split(self.args.stage_launcher)
-        launch = self.command[: self.python_at]
-        return one_per_node(self.kind, launch)
+        self.slurm = not args.stage_launcher and slurmstage.usable(
+            self.launch, self.folder
+        )
+        if per_node(self.folder) and not emulated():
+            raise StageError(
+                f"--to {self.folder!r}: {{node}} is for emulated nodes on one "
+                "machine (MPISTAGE_EMULATE_NODES); real nodes each have their "
+                "own DIR: give a plain one"
+            )
 
     def stage_command(self):
-        """``(per node) python -m mpistage stage BUNDLE --to DIR --print-env``."""
-        python = self.command[self.python_at]
-        stage = ["-m", "mpistage", "stage", self.bundle, "--to", self.folder]
-        return [*self.per_node(), python, *stage, "--print-env"]
+        """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
+        stage = ["stage", self.bundle, "--to", self.folder]
+        entry = command_beside(self.launch.python)
+        return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
+
+    def stage_commands(self, scratch):
+        """The launches of the stage step (Slurm: files for them go to *scratch*)."""
+        if not self.slurm:
+            return [self.stage_command()]
+        extractor = slurmstage.write_extractor(_os.path.join(scratch, "stage.pyz"))
+        return slurmstage.commands(self.launch, self.bundle, self.folder, extractor)
 
     def staged_python(self):
         """The command words that start this node's staged interpreter."""
-        if "{node}" not in self.folder:
+        if not per_node(self.folder):
             return [self.folder + "/bin/python"]
-        nodes = count_nodes(self.kind, self.command[: self.python_at])
-        rank = "${PMI_RANK:-${SLURM_PROCID:-${FLUX_TASK_RANK:-0}}}"
-        size = "${PMI_SIZE:-${SLURM_NTASKS:-${FLUX_JOB_SIZE:-1}}}"
-        node = f"$(({rank} * {nodes} / {size}))"
-        path = self.folder.replace("{node}", node)
+        path = self.folder.replace(NODE, node_index(self.launch.nodes()))
         libs = f'LD_LIBRARY_PATH="{path}/lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"'
         return ["sh", "-c", f'{libs} exec "{path}/bin/python" "$@"', "python"]
 
-    def run_command(self):
+    def run_command(self, env):
         """The command, its ``python`` replaced by the staged one."""
-        head, tail = self.command[: self.python_at], self.command[self.python_at + 1 :]
-        return [*head, *self.staged_python(), *tail]
+        names = ("PATH", "LD_LIBRARY_PATH", "PYTHONNOUSERSITE")
+        exported = [name for name in names if name in env]
+        tail = self.launch.command[self.launch.python_at + 1 :]
+        return [*self.launch.run_prefix(exported), *self.staged_python(), *tail]
 
     def run_environ(self):
-        """The environment ``mpistage stage --print-env`` describes."""
-        env = {
-            k: v
-            for k, v in _os.environ.items()
-            if k not in ("PYTHONPATH", "PYTHONHOME")
-        }
-        env["PYTHONNOUSERSITE"] = "1"
-        if "{node}" not in self.folder:
-            env["PATH"] = f"{self.folder}/bin:{env.get('PATH', '')}"
-            lib = env.get("LD_LIBRARY_PATH")
-            env["LD_LIBRARY_PATH"] = f"{self.folder}/lib" + (f":{lib}" if lib else "")
-        return env
+        """The environment of the run step: the staged one (``stager.staged_environ``).
+
+        With one directory per emulated node, each rank's own directory is
+        put in place by :meth:`staged_python` instead.
+        """
+        from mpistage.runtime.stager import UNSET, staged_environ
+
+        if not per_node(self.folder):
+            return staged_environ(self.folder, _os.environ)
+        env = {k: v for k, v in _os.environ.items() if k not in UNSET}
+        return dict(env, PYTHONNOUSERSITE="1")
 
     def clean_command(self):
-        """``(per node) python -m mpistage clean DIR`` from the shared interpreter.
+        """``(one per node) /bin/sh -c REMOVE_STAGE mpistage-clean DIR``.
 
-        Emulated nodes (``{node}`` in ``DIR``) share this machine: one clean
-        removes them all.
+        Emulated nodes (``{node}`` in ``DIR``) share this machine: one
+        shell, here, removes every node's directory.
         """
-        python = self.command[self.python_at]
-        clean = [python, "-m", "mpistage", "clean", self.folder]
-        return clean if "{node}" in self.folder else [*self.per_node(), *clean]
+        from mpistage.cli.clean import REMOVE_STAGE
 
-    def step(self, command, name, env=None):
-        """Run one launch, passing SIGINT and SIGTERM on; return its status."""
+        shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean"]
+        if self.slurm:
+            inputs = slurmstage.inputs(self.folder)
+            return [*self.launch.per_node(), *shell, self.folder, inputs]
+        if not per_node(self.folder):
+            return [*self.launch.per_node(), *shell, self.folder]
+        nodes = range(self.launch.nodes())
+        return [*shell, *(node_dir(self.folder, n) for n in nodes)]
+
+    def clean_parent(self):
+        """Remove the parent of ``.../n{node}`` that the stage step made, if empty."""
+        parent = _os.path.dirname(self.folder)
+        if per_node(self.folder) and not per_node(parent):
+            try:
+                _os.rmdir(parent)
+            except OSError:
+                pass  # Not empty, or never made: not ours to remove.
+
+
+def describe(command):
+    """A launch as a shell line, for messages (scripts and arguments cut short)."""
+    import shlex
+
+    if "stage" in command:
+        command = [*command[: command.index("stage") + 1], "..."]
+    return shlex.join(["..." if "\n" in w else w for w in command])
+
+
+def command_beside(python):
+    """How *python* starts mpistage: the ``mpistage`` command beside it, if any.
+
+    The command finds the package with one look per ``sys.path`` entry;
+    ``-m mpistage`` first pays ``runpy``'s imports from the shared file
+    system, once per node of the stage step.
+    """
+    import shutil
+
+    found = python if _os.sep in python else shutil.which(python)
+    if found:
+        command = _os.path.join(_os.path.dirname(_os.path.abspath(found)), "mpistage")
+        if _os.path.isfile(command):
+            return [command]
+    return ["-m", "mpistage"]
+
+
+def node_index(nodes):
+    """A shell expression for a rank's emulated node, from its launcher's rank.
+
+    Emulated nodes are contiguous rank blocks, as in
+    :mod:`mpistage.runtime.topology`.
+    """
+    from mpistage.runtime.topology import RANK_VARS, SIZE_VARS
+
+    rank, size = first_set(RANK_VARS, "0"), first_set(SIZE_VARS, "1")
+    return f"$(({rank} * {nodes} / {size}))"
+
+
+def first_set(names, default):
+    """A shell expression: the first of the variables *names* that is set."""
+    expression = default
+    for name in reversed(names):
+        expression = f"${{{name}:-{expression}}}"
+    return expression
+
+
+class Steps:
+    """The stage, run and clean steps of one ``mpistage run``, on every exit path."""
+
+    def __init__(self, plan, signals):
+        self.plan, self.signals = plan, signals
+
+    def run(self):
+        """Stage, run, clean; return the exit status."""
         try:
-            child = _subprocess.Popen(command, env=env, stdout=self.stdout(name))
+            status = self.stage_then_run()
+        finally:
+            cleaned = self.plan.args.keep or self.clean()
+        return status if cleaned else status or 1
+
+    def stage_then_run(self):
+        """The stage step, then (unless it failed or a signal came) the run step."""
+        plan = self.plan
+        status = self.stage()
+        if self.signals.received:
+            return self.interrupted("stage")
+        if status:
+            return 1
+        env = plan.run_environ()
+        return self.step(plan.run_command(env), "run", env)
+
+    def stage(self):
+        """Run the stage step's launches in turn; return the first failure's status."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mpistage-run-") as scratch:
+            for command in self.plan.stage_commands(scratch):
+                status = self.step(command, "stage")
+                if status or self.signals.received:
+                    if status and not self.signals.received:
+                        error(
+                            f"the stage step failed (exit status {status}): "
+                            f"{describe(command)}"
+                        )
+                    return status
+        return 0
+
+    def interrupted(self, name):
+        """Say which signal ended the *name* step; return 128 + its number."""
+        signum = self.signals.received
+        error(f"{_signal.Signals(signum).name} during the {name} step; cleaning up")
+        return 128 + signum
+
+    def clean(self):
+        """The clean step; whether it succeeded (it says why not)."""
+        try:
+            status = self.step(self.plan.clean_command(), "clean", forward=False)
+        except StageError as exc:
+            error(exc)
+            return False
+        self.plan.clean_parent()
+        if status:
+            error(
+                f"the clean step failed (exit status {status}): {self.plan.folder!r} "
+                "may remain on some nodes (`mpistage clean DIR` on each removes it)"
+            )
+        return not status
+
+    def step(self, command, name, env=None, forward=True):
+        """Run one launch, passing SIGINT and SIGTERM on; return its status."""
+        if name != "clean" and self.signals.received:
+            return 128 + self.signals.received
+        try:
+            child = _subprocess.Popen(command, env=env, stdout=stdout(name))
         except OSError as exc:
             raise StageError(
                 f"cannot start the {name} step {command[0]!r}: {exc.strerror}"
             ) from None
-        with forwarded(child):
-            return child.wait()
-
-    def stdout(self, name):
-        """The stage step's shell lines are ours; the run step's output, the user's."""
-        return _subprocess.DEVNULL if name in ("stage", "clean") else None
+        with self.signals.passing_to(child if forward else None):
+            return exit_status(child.wait())
 
 
-class forwarded:
-    """Pass SIGINT and SIGTERM on to *child* while it runs."""
+def in_allocation(salloc, argv, signals):
+    """Run this ``mpistage run`` again inside an allocation ``salloc`` makes.
+
+    ``salloc`` gives up the allocation when it gets SIGINT or SIGTERM, so
+    they go to the ``mpistage run`` it started, which then cleans up.
+    """
+    command = [*salloc, _sys.executable, "-m", "mpistage", "run", *argv]
+    try:
+        child = _subprocess.Popen(command)
+    except OSError as exc:
+        raise StageError(f"cannot start {salloc[0]!r}: {exc.strerror}") from None
+    with signals.passing_to(child, lambda: children(child.pid) or [child.pid]):
+        return exit_status(child.wait())
+
+
+def children(pid):
+    """The pids of the children of *pid* (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class Signals:
+    """SIGINT and SIGTERM while ``mpistage run`` runs: noted, passed on to a step."""
 
     SIGNALS = (_signal.SIGINT, _signal.SIGTERM)
 
-    def __init__(self, child):
-        self.child, self.saved = child, {}
+    def __init__(self):
+        self.received, self.saved, self.targets = None, {}, None
 
     def __enter__(self):
         for sig in self.SIGNALS:
-            self.saved[sig] = _signal.signal(sig, self.forward)
+            self.saved[sig] = _signal.signal(sig, self.note)
         return self
-
-    def forward(self, signum, frame):
-        """Send *signum* to the child."""
-        self.child.send_signal(signum)
 
     def __exit__(self, *exc):
         for sig, handler in self.saved.items():
             _signal.signal(sig, handler)
 
+    def note(self, signum, frame):
+        """Remember the first signal; pass it on to the running step."""
+        self.received = self.received or signum
+        self.forward(signum)
 
-def find_python(command):
-    """Return the index of the Python interpreter word in *command*."""
-    import re
+    def forward(self, signum):
+        """Send *signum* to the running step, if it takes signals."""
+        for pid in self.targets() if self.targets else ():
+            try:
+                _os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
-    for index, word in enumerate(command[1:], 1):
-        if re.fullmatch(r"python(\d+(\.\d+)?)?", _os.path.basename(word)):
-            return index
-    raise StageError(
-        "no python in the command: write it as `-- LAUNCHER ... python app.py`"
-    )
-
-
-def launcher_kind(word):
-    """Return ``srun``, ``flux`` or ``mpiexec`` for the launcher *word*."""
-    name = _os.path.basename(word)
-    if name == "srun":
-        return "srun"
-    if name == "flux":
-        return "flux"
-    if name.startswith(("mpiexec", "mpirun")):
-        return "mpiexec"
-    raise StageError(
-        f"unknown launcher {word!r}: give --stage-launcher 'CMD' that starts one "
-        "task per node"
-    )
+    def passing_to(self, child, targets=None):
+        """A context in which signals go to *child* (or to ``targets()``)."""
+        return Passing(self, child, targets)
 
 
-def node_options(kind, launch):
-    """Return the launcher options of *launch* that choose nodes."""
-    names, kept = NODE_OPTIONS[kind], []
-    for index, word in enumerate(launch):
-        opt = word.split("=", 1)[0]
-        if opt in names:
-            kept.append(word)
-            if "=" not in word and index + 1 < len(launch):
-                kept.append(launch[index + 1])
-    return kept
+class Passing:
+    """Signals pass to one child for the time of a ``with`` block."""
+
+    def __init__(self, signals, child, targets):
+        self.signals = signals
+        if child is not None:
+            self.targets = targets or (lambda: [child.pid])
+        else:
+            self.targets = None
+
+    def __enter__(self):
+        self.signals.targets = self.targets
+        if self.targets and self.signals.received:
+            self.signals.forward(self.signals.received)  # came while starting it
+        return self
+
+    def __exit__(self, *exc):
+        self.signals.targets = None
 
 
-def count_nodes(kind, launch):
-    """Return the number of nodes the launch runs on."""
-    chosen = node_options(kind, launch)
-    if kind in ("srun", "flux") and chosen:
-        return int((chosen[0].split("=", 1) + chosen[1:])[1])
-    if kind == "mpiexec" and chosen[:1] in (["-hosts"], ["--hosts"]):
-        return len(chosen[1].split(","))
-    for name in (
-        "SLURM_NNODES",
-        "FLUX_JOB_NNODES",
-        "PBS_NUM_NODES",
-        "MPISTAGE_EMULATE_NODES",
-    ):
-        if _os.environ.get(name, "").isdigit():
-            return int(_os.environ[name])
-    return 1
+def exit_status(returncode):
+    """A shell's exit status for a child's return code (killed by N: 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
-def one_per_node(kind, launch):
-    """Return the command prefix that starts one task on each node."""
-    chosen = node_options(kind, launch)
-    if kind == "srun":
-        return ["srun", "--ntasks-per-node=1", *chosen]
-    nodes = str(count_nodes(kind, launch))
-    if kind == "flux":
-        return ["flux", "run", "--tasks-per-node=1", "-N", nodes]
-    return [launch[0], "-n", nodes, "-ppn", "1", *chosen]
+def stdout(name):
+    """The stage and clean steps' stdout is ours; the run step's, the user's."""
+    return _subprocess.DEVNULL if name in ("stage", "clean") else None
+
+
+def error(message):
+    """Print one ``mpistage: error:`` line."""
+    print(f"mpistage: error: {message}", file=_sys.stderr, flush=True)
 
 
 def default_dir():
     """``/dev/shm/mpistage-env-UID-JOB`` (``{node}`` added for emulated nodes)."""
-    job = next(
-        (
-            _os.environ[n]
-            for n in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID")
-            if _os.environ.get(n)
-        ),
-        str(_os.getpid()),
-    )
+    from mpistage.runtime.topology import job_id
+
+    job = job_id() or str(_os.getpid())
     base = (
         "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
     )
-    folder = f"{base}/mpistage-env-{_os.getuid()}-{job.split('.')[0]}"
-    return folder + "/n{node}" if _os.environ.get("MPISTAGE_EMULATE_NODES") else folder
+    folder = f"{base}/mpistage-env-{_os.getuid()}-{job}"
+    return f"{folder}/n{NODE}" if emulated() else folder

@@ -31,6 +31,8 @@ import sys as _sys
 from mpistage import StageError
 from mpistage.runtime.report import read_of
 
+KEY_DIGITS = 24  # hex digits of a cache key: 96 bits, no two targets alike
+
 
 def cache_dir(option=None):
     """Return the cache directory: option, ``MPISTAGE_CACHE_DIR`` or XDG."""
@@ -58,7 +60,7 @@ def key(args):
     target = args[1] if args[0] in ("-c", "-m") else _os.path.abspath(args[0])
     path = [target_path0(args)] + [_os.path.abspath(p or ".") for p in _sys.path[1:]]
     parts = [_os.path.abspath(_sys.executable), _sys.version, *path, args[0], target]
-    return sha256("\0".join(parts).encode()).hexdigest()[:24]
+    return sha256("\0".join(parts).encode()).hexdigest()[:KEY_DIGITS]
 
 
 def bundle_path(args, folder=None):
@@ -205,6 +207,7 @@ class Recorder:
         paths = self.paths | mapped_files()
         if modules:
             paths |= module_files(self.preloaded)
+        paths = originals(paths)
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
         return {
@@ -237,6 +240,7 @@ def finder_roots(entries):
         origin = getattr(getattr(module, "__spec__", None), "origin", None)
         if "." in name or not origin or not _os.path.isabs(origin):
             continue
+        origin = next(iter(originals([origin])))
         if origin.startswith(prefixes) or not _os.path.isfile(origin):
             continue
         is_package = _os.path.basename(origin).startswith("__init__.")
@@ -256,6 +260,12 @@ def module_files(skip=()):
             if path and _os.path.isabs(path) and _os.path.isfile(path):
                 found.add(_os.path.normpath(path))
     return found
+
+
+def originals(paths):
+    """Return *paths* with the node boot's copies named by their originals."""
+    boot = _sys.modules.get("mpistage.nodeboot")
+    return {boot.original(p) for p in paths} if boot is not None else set(paths)
 
 
 def mapped_files():

@@ -40,6 +40,7 @@ from mpistage.runtime.place import DIR_FLAGS, check_own, open_safe, read_owner
 
 WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
 SIGNALS = ("SIGTERM", "SIGHUP")
+COLLECT_TRIES, COLLECT_PAUSE = 50, 0.002  # a watchdog gets 0.1 s to end
 _guarded = {}
 
 
@@ -114,14 +115,14 @@ def collect(pid):
     """Collect the watchdog's exit status if it ended within a moment."""
     import time
 
-    for _ in range(50):
+    for _ in range(COLLECT_TRIES):
         try:
             done, _status = _os.waitpid(pid, _os.WNOHANG)
         except ChildProcessError:
             return
         if done:
             return
-        time.sleep(0.002)
+        time.sleep(COLLECT_PAUSE)
 
 
 def release_all():

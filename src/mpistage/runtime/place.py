@@ -28,6 +28,8 @@ from mpistage import StageError
 
 DEFAULT_CANDIDATES = ("/dev/shm", "$TMPDIR", "/tmp")
 OWNER_FILE = ".mpistage-owner"
+RECORD_SIZE = 4096  # bytes of a key=value record read at most
+PRIVATE_TRIES = 16  # random names tried for a private directory
 DIR_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 _TRUE = ("1", "yes", "on", "true")
 _FALSE = ("0", "no", "off", "false")
@@ -47,8 +49,19 @@ def candidates():
     """Return the staging candidates in order of preference."""
     found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)
     if flag("MPISTAGE_STAGE_FALLBACK", True):
-        found += [_os.path.expandvars(p) for p in DEFAULT_CANDIDATES]
+        found += [expand(p) for p in DEFAULT_CANDIDATES]
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
+
+
+def expand(candidate):
+    """Return a default candidate with its variable (``$TMPDIR``) put in, if set.
+
+    Not ``os.path.expandvars``: that imports ``re``, which the node boot
+    must not read from the shared file system before MPI.
+    """
+    if candidate.startswith("$"):
+        return _os.environ.get(candidate[1:]) or candidate
+    return candidate
 
 
 class StagingDir:
@@ -279,7 +292,7 @@ def user_dir(fd, real):
 
 def private_dir(fd, real):
     """Create a new, randomly named per-user directory in *fd*; return (name, fd)."""
-    for _attempt in range(16):
+    for _attempt in range(PRIVATE_TRIES):
         name = f"mpistage-{_os.getuid()}-{_os.urandom(6).hex()}"
         try:
             _os.mkdir(name, 0o700, dir_fd=fd)
@@ -329,7 +342,7 @@ def read_fields(fd, name):
     except OSError:
         return {}
     try:
-        text = _os.read(got, 4096).decode(errors="replace")
+        text = _os.read(got, RECORD_SIZE).decode(errors="replace")
     finally:
         _os.close(got)
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
@@ -355,10 +368,7 @@ def job_tag():
     """Return a name for this job, unique on the node: scheduler id, pid, time."""
     import time
 
-    for name in ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID"):
-        if _os.environ.get(name):
-            prefix = _os.environ[name].split(".")[0]
-            break
-    else:
-        prefix = _os.uname().nodename.split(".")[0]
+    from mpistage.runtime.topology import job_id
+
+    prefix = job_id() or _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"

@@ -17,6 +17,7 @@ import sys as _sys
 STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run")
 
 
+SHOWN = 20  # missed module names the screen report lists
 KINDS = ("modules", "metadata", "data", "listings")
 
 
@@ -105,7 +106,14 @@ def local_facts(session, seconds, watch=None):
         "modules": modules,
         "stage_root": root,
         "accesses": accesses,
+        "start": start_facts(),
     }
+
+
+def start_facts():
+    """Return how this rank imported mpi4py (the node boot), or None if it did not."""
+    boot = _sys.modules.get("mpistage.nodeboot")
+    return boot.facts() if boot is not None else None
 
 
 def summarize(job, ranks):
@@ -133,7 +141,29 @@ def summarize(job, ranks):
         },
         "original_accesses": accesses,
         "live": live_summary(job.get("live"), ranks),
+        "start": starts([r.get("start") for r in ranks]),
     }
+
+
+def starts(facts):
+    """Sum up how the ranks started: per rank, and the ranks of each way.
+
+    ``first``: imported mpi4py from the originals, for its node;
+    ``copy``: imported it from its node's copy; ``normal``: imported it
+    as usual, for the reason given (``reasons``). ``None`` when no rank went
+    through the node boot (the library API).
+    """
+    if not any(facts):
+        return None
+    found = {"first": [], "copy": [], "normal": [], "reasons": {}}
+    for rank, fact in enumerate(facts):
+        role = (fact or {}).get("role", "normal")
+        found[role].append(rank)
+        if role == "normal":
+            reason = (fact or {}).get("reason") or "not through the node boot"
+            found["reasons"].setdefault(reason, []).append(rank)
+    found["ranks"] = facts
+    return found
 
 
 def live_summary(mode, ranks):
@@ -157,6 +187,7 @@ def render(report):
         f"  bundle {report['bundle'] or '(none)'}, {report['bundle_bytes']} bytes"
         + (f", --auto: {report['auto']}" if report.get("auto") else ""),
         "  seconds (slowest rank): " + ", ".join(f"{s} {sec[s]:.3f}" for s in STEPS),
+        *start_lines(report.get("start")),
         f"  modules: {mods['served']} served from the staged copy, "
         f"{mods['missed']} missed, {mods['stdlib']} from the standard library",
     ]
@@ -169,7 +200,7 @@ def render(report):
         lines.append(f"  originals read after activation, all ranks: {counts}")
     if mods["missed_names"]:
         names = mods["missed_names"]
-        shown = ", ".join(names[:20]) + (" ..." if len(names) > 20 else "")
+        shown = ", ".join(names[:SHOWN]) + (" ..." if len(names) > SHOWN else "")
         lines.append(f"  missed: {shown}")
         lines.append(hint(mods.get("missed_on_ranks", [0]), report["ranks"]))
     return "\n".join(lines)
@@ -186,6 +217,32 @@ def live_line(live):
         f"{live.get('relay_forwarded', 0)} forwarded to rank 0, "
         f"{live.get('fallbacks', 0)} read from originals"
     )
+
+
+def start_lines(start):
+    """Say how the ranks imported mpi4py (lines; none without the node boot)."""
+    if not start:
+        return []
+    lines = [
+        f"  start: {len(start['first'])} rank(s) imported mpi4py for their node "
+        f"({rank_list(start['first'])}), {len(start['copy'])} from their node's "
+        f"copy, {len(start['normal'])} as usual"
+    ]
+    for reason, ranks in start["reasons"].items():
+        lines.append(f"  as usual on rank(s) {rank_list(ranks)}: {reason}")
+    return lines
+
+
+def rank_list(ranks):
+    """Return ranks as short text: ``0-3, 8, 12-15`` (``none`` if empty)."""
+    runs = []
+    for rank in ranks:
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:SHOWN])
+    return (text + (" ..." if len(runs) > SHOWN else "")) or "none"
 
 
 def hint(ranks_that_missed, size):

@@ -44,6 +44,7 @@ MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle).
 tools: mpistage {%s} --help"""
 
 USAGE %= ",".join(COMMANDS)
+FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
 
@@ -61,17 +62,11 @@ class Options:
 
 def usage_error(message):
     """Print *message* and the usage once (first rank), exit 1 on all ranks."""
+    from mpistage.runtime.topology import launcher_rank
+
     if launcher_rank() == 0:
         print(f"mpistage: error: {message}\n{USAGE}", file=_sys.stderr)
     _sys.exit(1)
-
-
-def launcher_rank():
-    """Return this process's rank as the launcher told it, before MPI starts."""
-    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        if _os.environ.get(name, "").isdigit():
-            return int(_os.environ[name])
-    return 0
 
 
 def parse(argv):
@@ -259,7 +254,7 @@ class Runner:
         _sys.stderr.flush()
         if forked:  # A child of the program failed, not the job: it ends alone.
             _os._exit(exit_status(exc))
-        _time.sleep(0.1)  # Let the launcher forward what this rank printed.
+        _time.sleep(FORWARD_PAUSE)
         abort(self.world, exit_status(exc))
 
     def finish(self):

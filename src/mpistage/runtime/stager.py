@@ -23,6 +23,8 @@ from mpistage import StageError
 from mpistage.runtime.stage import Place
 
 MARKER = ".mpistage-stage"
+NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
+UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
 USAGE = """\
 usage: mpistage stage BUNDLE --to DIR [--print-env]
 
@@ -64,7 +66,12 @@ def manifest_digest(buf):
 
 def node_dir(template, index):
     """Return the directory for node *index* (``{node}`` replaced)."""
-    return _os.path.abspath(template.replace("{node}", str(index)))
+    return _os.path.abspath(template.replace(NODE, str(index)))
+
+
+def per_node(template):
+    """Whether *template* names one directory per emulated node (``{node}``)."""
+    return NODE in template
 
 
 class TargetPlace(Place):
@@ -137,15 +144,39 @@ def write_marker(fd, digest, state):
     _os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
 
 
+def staged_environ(folder, environ, libraries=True):
+    """Return *environ* changed to run the environment staged in *folder*.
+
+    ``PATH`` and (when libraries from outside the environment were
+    bundled) ``LD_LIBRARY_PATH`` gain the staged directories first;
+    ``PYTHONNOUSERSITE`` keeps Python out of ``~/.local`` on the shared FS;
+    ``PYTHONHOME`` and ``PYTHONPATH`` go. This is the one description of it:
+    :func:`env_lines` prints it, ``mpistage run`` applies it.
+    """
+    folder = _os.path.abspath(folder)
+    env = {k: v for k, v in environ.items() if k not in UNSET}
+    env["PATH"] = join_path(f"{folder}/bin", environ.get("PATH"))
+    if libraries:
+        env["LD_LIBRARY_PATH"] = join_path(
+            f"{folder}/lib", environ.get("LD_LIBRARY_PATH")
+        )
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def join_path(first, rest):
+    """Return the search path *first*, then *rest* (if any)."""
+    return f"{first}:{rest}" if rest else first
+
+
 def env_lines(folder, manifest):
-    """Return the shell lines that put the staged environment to use."""
+    """Return :func:`staged_environ` as shell lines, for ``eval``."""
     folder = _os.path.abspath(folder)
     lines = [f'export PATH="{folder}/bin:$PATH"']
     if manifest.get("env", {}).get("libraries"):
         keep = "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         lines.append(f'export LD_LIBRARY_PATH="{folder}/lib{keep}"')
-    lines += ["export PYTHONNOUSERSITE=1", "unset PYTHONHOME PYTHONPATH"]
-    return lines
+    return [*lines, "export PYTHONNOUSERSITE=1", f"unset {' '.join(UNSET)}"]
 
 
 def stage_env(world, bundle, template):
@@ -162,6 +193,46 @@ def stage_env(world, bundle, template):
     if staged.root is not None:
         staged.root.close()
     return folder, staged.manifest, reused
+
+
+def stage_here(bundle, folder):
+    """Stage the environment in the local file *bundle* into *folder*, without MPI.
+
+    One node alone: the Slurm stage step's extractor, after ``sbcast``
+    brought the bundle (:mod:`mpistage.cli.slurmstage`). The checks and the
+    place are those of ``mpistage stage``. Returns whether *folder* held a
+    complete stage of the bundle already.
+    """
+    from mpistage.runtime.extract import Footprint, extract
+    from mpistage.runtime.read import read_checked
+
+    buf, manifest = read_checked(bundle, "env")
+    place = TargetPlace(folder)
+    root = place.make(buf, Footprint(manifest))
+    if root.reused:
+        root.close()
+        return True
+    try:
+        extract(root.fd, buf, manifest, bundle)
+        place.done(root, buf)
+    except BaseException:
+        place.discard(root)
+        raise
+    root.close()
+    return False
+
+
+def main_here(argv):
+    """``python STAGE.pyz BUNDLE DIR``: :func:`stage_here`; return the exit status."""
+    try:
+        bundle, folder = argv
+        stage_here(bundle, folder)
+    except (StageError, ValueError) as exc:
+        node = _os.environ.get("SLURMD_NODENAME") or _os.uname().nodename
+        reason = exc if isinstance(exc, StageError) else f"give BUNDLE DIR, not {argv}"
+        print(f"mpistage: error: on {node}: {reason}", file=_sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def main(world, argv):

@@ -10,6 +10,32 @@ import os as _os
 
 from mpistage import StageError
 
+# What launchers tell a process before MPI starts: its rank, the number of
+# ranks, the job. Hydra and PMI-1 launchers, Open MPI, PMIx, Slurm, Flux; the
+# first set wins. The one home of these names (the runner, the staging
+# roots' names and ``mpistage run`` read them).
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
+             "FLUX_TASK_RANK")  # fmt: skip
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "FLUX_JOB_SIZE")
+JOB_VARS = ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID")
+
+
+def launcher_value(names, default=None):
+    """Return the first of the environment variables *names* that is set."""
+    return next((_os.environ[n] for n in names if _os.environ.get(n)), default)
+
+
+def launcher_rank():
+    """Return this process's rank as the launcher told it (0 if it did not)."""
+    value = launcher_value(RANK_VARS, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def job_id():
+    """Return the scheduler's job id (its first dot-separated part), or ``None``."""
+    value = launcher_value(JOB_VARS)
+    return value.split(".")[0] if value else None
+
 
 class Topology:
     """The communicators of one job: world, this node, and the node leaders."""

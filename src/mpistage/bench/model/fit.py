@@ -14,13 +14,18 @@ from mpistage.bench.model.measured import cells, load_results, pick_rows, simula
 
 
 def cell_inputs(cell, fitted):
-    """Return the inputs of one measured cell: its own op counts, fitted costs."""
+    """Return the inputs of one measured cell: its own op counts, fitted costs.
+
+    A node's extra ops are its stage step's, or (the runner's node boot)
+    what its first rank paid beyond the others.
+    """
     ops_rank = cell["ops_rank_median"]
+    first = max(cell["ops_first"] - ops_rank, 0.0) if cell["ops_first"] else 0.0
     return _dataclasses.replace(
         fitted,
         ops_rank=ops_rank,
         ops_rank0_extra=max(cell["ops_rank0"] - ops_rank, 0.0),
-        ops_node=cell["ops_stage_node"],
+        ops_node=cell["ops_stage_node"] + first,
     )
 
 

@@ -11,30 +11,35 @@ from mpistage import StageError
 from mpistage.bench.model.equations import Inputs
 from mpistage.bench.model.measured import read_json
 
-# Measured with `mpistage bench run --ranks 1,8,32 --nodes 4` (docs/benchmarks.md).
-F_OPS = 1837  # python -c "from mpi4py import MPI", everything on the simulated FS
-F_BYTES = 9.7e6
-RUN_S = 0.20  # import numpy, numpy.linalg from node-local storage, one rank
-RUNNER_START_OPS = 161  # the runner finding and starting mpistage, beyond F
+# Measured with `mpistage bench run --ranks 1,4,16 --nodes 4` (docs/benchmarks.md).
+F_OPS = 1933  # python -c "from mpi4py import MPI", everything on the simulated FS
+F_BYTES = 9.2e6
+RUN_S = 0.14  # import numpy, numpy.linalg from node-local storage, one rank
+COPY_OPS = 553  # a runner rank that imports mpi4py from its node's copy
+FIRST_OPS = 1626  # the node's first rank, which imports it for the node
+COPY_BYTES = 1e6  # what such a rank reads: the interpreter's start, mpistage's
+FIRST_BYTES = 35e6  # F's bytes and the libraries it copies for its node
 
 
 def runner_inputs(rank0_extra):
-    """The runner's inputs: F plus finding mpistage; rank 0 reads and checks."""
+    """The runner's inputs: the node boot's two costs; rank 0 reads and checks."""
     return Inputs(
-        ops_rank=F_OPS + RUNNER_START_OPS,
+        ops_rank=COPY_OPS,
+        ops_node=FIRST_OPS - COPY_OPS,
         ops_rank0_extra=rank0_extra,
-        bytes_rank=F_BYTES,
+        bytes_rank=COPY_BYTES,
+        bytes_node=FIRST_BYTES,
         bundle_bytes=117e6,
         run_s=RUN_S,
     )
 
 
 DEFAULT_INPUTS = {
-    "plain": Inputs(ops_rank=6142, bytes_rank=27.8e6, run_s=RUN_S),
-    "mpistage": runner_inputs(rank0_extra=334),
-    "mpistage-trust": runner_inputs(rank0_extra=213),
+    "plain": Inputs(ops_rank=6073, bytes_rank=14.9e6, run_s=RUN_S),
+    "mpistage": runner_inputs(rank0_extra=508),
+    "mpistage-trust": runner_inputs(rank0_extra=212),
     "staged-env": Inputs(
-        ops_node=2202, bytes_node=F_BYTES, bundle_bytes=200e6, run_s=RUN_S
+        ops_node=1829, bytes_node=F_BYTES, bundle_bytes=200e6, run_s=RUN_S
     ),
 }
 DEFAULT_SOURCE = (

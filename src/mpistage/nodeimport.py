@@ -2,7 +2,7 @@
 
 Both are meta path finders put first on ``sys.meta_path`` for the time of
 ``from mpi4py import MPI`` alone (:class:`Hook`). The first rank's
-:class:`~mpistage.nodecopy.Recorder` lets the usual finders find each
+:class:`~mpistage.nodecopy.ImportRecorder` lets the usual finders find each
 module, keeps the code of Python modules as it runs it, and has extension
 modules and libraries loaded from their copies. A follower's
 :class:`Server` answers the recorded names from the record and the copy,

@@ -31,9 +31,19 @@ import os as _os
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
-from mpistage.nodeboot import FILES, RECORD, VERSION, Declined, identity, read_fd
 from mpistage.nodeelf import elf_dynamic, shared_object
-from mpistage.nodeimport import Hook, finder_name, source_kind, via_path
+from mpistage.nodeimport import (
+    FILES,
+    RECORD,
+    VERSION,
+    Declined,
+    Hook,
+    finder_name,
+    identity,
+    read_fd,
+    source_kind,
+    via_path,
+)
 
 PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
 # The dynamic loader's own directories: part of the node's image, not copied.

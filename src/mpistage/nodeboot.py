@@ -42,23 +42,27 @@ module runs before MPI in every rank, so it is read the cheap way
 """
 
 import os as _os
-import sys as _sys
 import time as _time
 
 from mpistage import StageError
+from mpistage.nodeimport import (
+    FILES,
+    RECORD,
+    VERSION,
+    Declined,
+    fnv1a,
+    identity,
+    read_fd,
+)
 
 WAIT = 300.0  # seconds a follower waits for the first rank of its node
 POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
-RECORD = "record"  # what the first rank loaded, marshalled; its presence is the mark
 FAILED = "failed"  # the first rank's reason, when it could not finish
-FILES = "files"  # the copies, below it at their original absolute paths
-VERSION = 1  # of the record
 PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
 ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 NAME_CHARS = frozenset(LETTERS + LETTERS.upper() + "0123456789._-")
 NAME_MAX = 96  # characters of a launch's name kept as they are
-KEY_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD")  # what else decides what a rank loads
 RUNTIME = ("__init__", "place", "topology", "cleanup")  # read before MPI
 READ_FLAGS = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 
@@ -83,10 +87,6 @@ class Boot:
 
 
 state = Boot()  # this process's start
-
-
-class Declined(Exception):
-    """The copy is not used: the rank imports as usual, for this reason."""
 
 
 def import_mpi():
@@ -127,7 +127,7 @@ def first_import(meeting, start):
     from mpistage import load_local
 
     state.role, state.path, state.root = "first", meeting.path, meeting.root
-    load_local("mpistage", ("nodeimport", "nodecopy"))
+    load_local("mpistage", ("nodeimport", "nodeelf", "nodecopy"))
     from mpistage.nodecopy import import_and_copy
 
     MPI = import_and_copy(meeting)
@@ -281,28 +281,6 @@ def safe_name(text):
     return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
 
 
-def fnv1a(data):
-    """Return the 64-bit FNV-1a hash of *data* (no import needed for it)."""
-    value = 0xCBF29CE484222325
-    for byte in data:
-        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return value
-
-
-def identity():
-    """Return what a follower must share with its first rank to use the copy.
-
-    The interpreter, the paths the import searches and what the dynamic
-    loader is told: ranks of one launch that differ in any of them (a
-    launch with several programs) import as usual.
-    """
-    parts = [_sys.executable, _sys.version, *_sys.path]
-    parts += [f"{k}={_os.environ.get(k, '')}" for k in KEY_ENV]
-    mpi4py = (f"{k}={v}" for k, v in _os.environ.items() if k.startswith("MPI4PY_"))
-    parts += sorted(mpi4py)
-    return f"{fnv1a(chr(0).join(parts).encode()):016x}"
-
-
 # -- the meeting place ---------------------------------------------------------------
 
 
@@ -360,13 +338,18 @@ class Meeting:
         from mpistage.runtime.cleanup import guard, reap_dead_roots
         from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
 
-        reap_dead_roots(self.candidate_fd)
-        try:
-            _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
+        for again in (False, True):
+            # A dead launch's place of the same name may be going away under
+            # a sibling's reaping: look once more before following it.
+            reap_dead_roots(self.candidate_fd)
+            try:
+                _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
+                break
+            except FileExistsError:
+                if again:
+                    return False
+            except OSError as exc:
+                raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
         try:
             self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
             self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
@@ -490,18 +473,6 @@ class Meeting:
         self.candidate_fd = self.user_fd = None
         if self.root is None:
             self.fd = None
-
-
-def read_fd(fd, size):
-    """Return *size* bytes (or up to the end) of the open file *fd*."""
-    chunks = []
-    while size > 0:
-        chunk = _os.read(fd, size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
 
 
 # -- a follower imports from the copy --------------------------------------------

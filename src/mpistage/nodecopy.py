@@ -1,7 +1,7 @@
 """The first rank of a node: import mpi4py, and leave what it loaded for the node.
 
 :func:`import_and_copy` imports ``mpi4py.MPI`` with ``MPI_Init`` held back
-(``mpi4py.rc.initialize``), through a :class:`Recorder`:
+(``mpi4py.rc.initialize``), through a :class:`ImportRecorder`:
 
 - Python modules are found as usual and their code is kept as it runs, so
   the followers need not read them (nothing is read twice);
@@ -31,22 +31,31 @@ import os as _os
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
-from mpistage.nodeboot import FILES, RECORD, VERSION, Declined, identity, read_fd
-from mpistage.nodeimport import Hook, finder_name, source_kind, via_path
+from mpistage.nodeelf import elf_dynamic, shared_object
+from mpistage.nodeimport import (
+    FILES,
+    RECORD,
+    VERSION,
+    Declined,
+    Hook,
+    finder_name,
+    identity,
+    read_fd,
+    source_kind,
+    via_path,
+)
 
 PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
 # The dynamic loader's own directories: part of the node's image, not copied.
 SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
 PLUGIN_DEPTH = 3  # directory levels of a plugin directory
 LOADER_SUBDIRS = ("glibc-hwcaps", "tls", "haswell", "xeon_phi", "avx512_1")
-DT_NEEDED, DT_STRTAB, DT_SONAME, DT_RPATH, DT_RUNPATH = 1, 5, 14, 15, 29
-PT_LOAD, PT_DYNAMIC = 1, 2
 WRITE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
 
 
 def import_and_copy(meeting):
     """Import ``mpi4py.MPI``, leave it in *meeting*'s place, then start MPI."""
-    recorder = Recorder(Copier(meeting.fd, meeting.path))
+    recorder = ImportRecorder(Copier(meeting.fd, meeting.path))
     recorder.install()
     try:
         try:
@@ -142,7 +151,7 @@ def write_all(fd, data):
         view = view[_os.write(fd, view) :]
 
 
-class Recorder(Hook):
+class ImportRecorder(Hook):
     """The first rank's hook: usual finders, code kept, binaries from the copy."""
 
     def __init__(self, copier):
@@ -241,7 +250,7 @@ class Recorder(Hook):
 
 
 class Recording:
-    """A Python module's usual loader, whose code the :class:`Recorder` keeps."""
+    """A Python module's usual loader, whose code the :class:`ImportRecorder` keeps."""
 
     def __init__(self, loader, recorder, how):
         self.loader, self.recorder, self.how = loader, recorder, how
@@ -517,62 +526,3 @@ def enter(fd, name):
         return _os.open(name, DIR_FLAGS, dir_fd=fd)
     finally:
         _os.close(fd)
-
-
-def shared_object(name):
-    """Whether the file *name* is named as a shared object is (``.so``, ``.so.N``)."""
-    return name.endswith(".so") or ".so." in name
-
-
-def elf_dynamic(data):
-    """Return (needed, run path, rpath, soname) of an ELF object, or None.
-
-    Only 64-bit little-endian objects are read (``None`` otherwise); an
-    object without a dynamic section needs nothing.
-    """
-    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
-        return None
-
-    def number(at, size):
-        return int.from_bytes(data[at : at + size], "little")
-
-    loads, dynamic = [], None
-    phoff, size, count = number(0x20, 8), number(0x36, 2), number(0x38, 2)
-    for at in range(phoff, phoff + size * count, size):
-        kind = number(at, 4)
-        offset, vaddr = number(at + 8, 8), number(at + 16, 8)
-        filesz = number(at + 32, 8)
-        if kind == PT_LOAD:
-            loads.append((vaddr, offset, filesz))
-        elif kind == PT_DYNAMIC:
-            dynamic = (offset, filesz)
-    if dynamic is None:
-        return (), None, None, None
-    entries = []
-    for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
-        tag, value = number(at, 8), number(at + 8, 8)
-        if tag == 0:
-            break
-        entries.append((tag, value))
-    table = file_offset(loads, dict(entries).get(DT_STRTAB))
-    if table is None:
-        return None
-
-    def string(offset):
-        start = table + offset
-        return data[start : data.index(b"\0", start)].decode(errors="replace")
-
-    named = (DT_SONAME, DT_RPATH, DT_RUNPATH)
-    values = {tag: string(v) for tag, v in entries if tag in named}
-    needed = tuple(string(v) for tag, v in entries if tag == DT_NEEDED)
-    return needed, values.get(DT_RUNPATH), values.get(DT_RPATH), values.get(DT_SONAME)
-
-
-def file_offset(loads, address):
-    """Return the file offset of the virtual *address*, from the PT_LOAD segments."""
-    if address is None:
-        return None
-    for vaddr, offset, filesz in loads:
-        if vaddr <= address < vaddr + filesz:
-            return address - vaddr + offset
-    return None

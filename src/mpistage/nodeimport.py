@@ -2,7 +2,7 @@
 
 Both are meta path finders put first on ``sys.meta_path`` for the time of
 ``from mpi4py import MPI`` alone (:class:`Hook`). The first rank's
-:class:`~mpistage.nodecopy.Recorder` lets the usual finders find each
+:class:`~mpistage.nodecopy.ImportRecorder` lets the usual finders find each
 module, keeps the code of Python modules as it runs it, and has extension
 modules and libraries loaded from their copies. A follower's
 :class:`Server` answers the recorded names from the record and the copy,
@@ -21,6 +21,7 @@ would have given it (``SourceFileLoader`` and its kin), and ``ctypes.CDLL``
 is the class it was.
 """
 
+import os as _os
 import sys as _sys
 from _frozen_importlib import ModuleSpec as _ModuleSpec
 from _frozen_importlib_external import ExtensionFileLoader as _ExtensionFileLoader
@@ -183,3 +184,49 @@ def finder_name(finder):
     """Name a meta path finder alike in every process: module and qualified name."""
     kind = finder if isinstance(finder, type) else type(finder)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+# -- what the first rank and the others share: the record and its checks --------
+
+RECORD = "record"  # what the first rank loaded, marshalled; its presence is the mark
+FILES = "files"  # the copies, below it at their original absolute paths
+VERSION = 1  # of the record
+KEY_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD")  # what else decides what a rank loads
+
+
+class Declined(Exception):
+    """The copy is not used: the rank imports as usual, for this reason."""
+
+
+def fnv1a(data):
+    """Return the 64-bit FNV-1a hash of *data* (no import needed for it)."""
+    value = 0xCBF29CE484222325
+    for byte in data:
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def identity():
+    """Return what a follower must share with its first rank to use the copy.
+
+    The interpreter, the paths the import searches and what the dynamic
+    loader is told: ranks of one launch that differ in any of them (a
+    launch with several programs) import as usual.
+    """
+    parts = [_sys.executable, _sys.version, *_sys.path]
+    parts += [f"{k}={_os.environ.get(k, '')}" for k in KEY_ENV]
+    mpi4py = (f"{k}={v}" for k, v in _os.environ.items() if k.startswith("MPI4PY_"))
+    parts += sorted(mpi4py)
+    return f"{fnv1a(chr(0).join(parts).encode()):016x}"
+
+
+def read_fd(fd, size):
+    """Return *size* bytes (or up to the end) of the open file *fd*."""
+    chunks = []
+    while size > 0:
+        chunk = _os.read(fd, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)

@@ -1,7 +1,7 @@
 """Where an array's bytes are in its file: whole file, ``.npy``, ``.npz`` member, raw.
 
 The first reader of :mod:`mpistage.data` runs one of these on the open file
-and broadcasts the :class:`Layout`; no other rank looks at the file's
+and broadcasts the :class:`DataSpan`; no other rank looks at the file's
 header. Headers are untrusted: any problem in one is one clear error.
 """
 
@@ -14,7 +14,7 @@ ZIP_LOCAL_SIZE = 30  # bytes of that header before the name and the extra field
 ZIP_LENGTHS = slice(26, 30)  # where it keeps the name's and extra field's lengths
 
 
-class Layout:
+class DataSpan:
     """Where the data is in the file, and what array it makes (if any)."""
 
     def __init__(self, start, length, size, meta=None):
@@ -24,7 +24,7 @@ class Layout:
 
 def whole(path, fd, size):
     """The whole file, as bytes."""
-    return Layout(0, size, size)
+    return DataSpan(0, size, size)
 
 
 def locator(member, dtype, shape, order, offset):
@@ -66,7 +66,7 @@ def raw(path, size, dtype, shape, order, offset):
             f"raw file {path!r} has {have} bytes after offset {offset}; "
             f"shape {shape} of {dtype} needs {need}"
         )
-    return Layout(offset, need, size, (dtype, shape, order == "F"))
+    return DataSpan(offset, need, size, (dtype, shape, order == "F"))
 
 
 def npy(path, fd, base, end, size):
@@ -96,7 +96,7 @@ def npy(path, fd, base, end, size):
             f"{path!r} is truncated: its array needs {length} bytes after the "
             f"header, {max(0, end - start)} are there"
         )
-    return Layout(start, length, size, (dtype, shape, fortran))
+    return DataSpan(start, length, size, (dtype, shape, fortran))
 
 
 def header_reader(fmt, version):

@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from mpistage.runtime import relay
+from mpistage.runtime.live import relay
 
-THREAD_MODULES = ("relay", "reader", "mirror", "origin", "request", "extract")
+THREAD_MODULES = (
+    "live.relay",
+    "live.reader",
+    "live.mirror",
+    "live.origin",
+    "live.request",
+    "extract",
+)
 
 
 def lazy_imports(module):
@@ -35,7 +42,15 @@ def lazy_imports(module):
 
 # Loaded on every rank before live imports start: the interpreter's own,
 # mpi4py and the runtime package.
-LOADED = {"_thread", "importlib", "mpi4py", "mpistage.runtime", "os", "sys"}
+LOADED = {
+    "_thread",
+    "importlib",
+    "mpi4py",
+    "mpistage.runtime",
+    "mpistage.runtime.live",
+    "os",
+    "sys",
+}
 
 
 @pytest.mark.parametrize("name", THREAD_MODULES)
@@ -47,7 +62,7 @@ def test_what_the_relay_thread_imports_is_imported_before(name):
 
 def test_origin_reads_runpath_and_needed_of_a_real_extension():
     np = pytest.importorskip("numpy")
-    from mpistage.runtime import origin
+    from mpistage.runtime.live import origin
 
     ext = Path(np._core._multiarray_umath.__file__)
     names, dirs = origin.origin_dirs(ext.read_bytes(), str(ext.parent))
@@ -56,7 +71,7 @@ def test_origin_reads_runpath_and_needed_of_a_real_extension():
 
 
 def test_origin_needs_nothing_of_what_is_no_elf():
-    from mpistage.runtime import origin
+    from mpistage.runtime.live import origin
 
     assert origin.needs(b"#!/bin/sh\n") == ([], [])
     assert origin.needs(b"\x7fELF" + bytes(60)) == ([], [])

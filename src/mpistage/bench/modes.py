@@ -134,7 +134,15 @@ class Plain(Mode):
     name = "plain"
 
 
-class Bundled(Mode):
+class Runner(Mode):
+    """A run through the ``mpistage`` command, which writes a JSON report."""
+
+    def env(self, testbed, nodes):
+        """Also ask the runner for its JSON report."""
+        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
+
+
+class Bundled(Runner):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
@@ -157,10 +165,6 @@ class Bundled(Mode):
         """Run the target through ``mpistage --bundle`` (python runs the command)."""
         return [testbed.layout.command, "--bundle", self.bundle]
 
-    def env(self, testbed, nodes):
-        """Also ask the runner for its JSON report."""
-        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
-
     def stage_seconds(self, testbed):
         """The runner's staging seconds, from its report."""
         return report_seconds(testbed.report_path)
@@ -172,7 +176,7 @@ class BundledTrust(Bundled):
     name = "mpistage-trust"
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage --bundle --trust``."""
+        """Run the target through ``mpistage --bundle --trust``."""
         return super().runner(testbed) + ["--trust"]
 
 
@@ -210,18 +214,14 @@ class Auto(Bundled):
         return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
 
 
-class Live(Mode):
+class Live(Runner):
     """The runner with no bundle: imports served live."""
 
     name = "live"
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage``, no bundle."""
-        return ["-m", "mpistage"]
-
-    def env(self, testbed, nodes):
-        """Also ask the runner for its JSON report."""
-        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
+        """Run the target through the ``mpistage`` command, no bundle."""
+        return [testbed.layout.command]
 
 
 class AutoFirst(Live):
@@ -234,8 +234,8 @@ class AutoFirst(Live):
         self.cache = _os.path.join(testbed.work, "auto-first-cache")
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage --auto``."""
-        return ["-m", "mpistage", "--auto", "--cache-dir", self.cache]
+        """Run the target through ``mpistage --auto``."""
+        return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
 
     def launch(self, testbed, ranks, nodes, code):
         """Run the cell; report the saved bundle's size and the time saving took.

@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import COMMANDS, StageError
+from mpistage import COMMANDS, StageError, preload
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
@@ -215,11 +215,13 @@ class Runner:
         With *sources* (an ``--auto`` learning run), sources travel with their
         bytecode, for the bundle built from node 0's copy at the end.
         """
-        from mpistage.runtime.live import LiveSession, wanted
+        if not live_wanted(self.world):
+            return
+        preload(self.world, "mpistage.runtime.live")  # read only when used
+        from mpistage.runtime.live import LiveSession
 
-        if wanted(self.world):
-            self.live = LiveSession(self.session, self.args, sources)
-            self.live.start()
+        self.live = LiveSession(self.session, self.args, sources)
+        self.live.start()
 
     def run(self):
         """Run the target like ``python -m mpi4py``; end the job if it fails."""
@@ -404,6 +406,18 @@ def leave_child(status):
     _sys.stdout.flush()
     _sys.stderr.flush()
     _os._exit(status)
+
+
+def live_wanted(world):
+    """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
+    from mpistage.runtime.broadcast import share
+    from mpistage.runtime.collective import attempt
+    from mpistage.runtime.place import flag
+
+    value = attempt(
+        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
+    )
+    return share(world, value)
 
 
 def fail(runner, error):

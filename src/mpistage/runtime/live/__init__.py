@@ -4,7 +4,7 @@
 ``--auto``, serve imports live. World rank 0, the reader
 (:mod:`~.reader`), resolves names and reads the originals; what it reads
 goes once to every node leader (:mod:`~.relay`) and into the node's copy
-(:mod:`~.mirror`); every rank imports from that copy (:mod:`~.livefinder`)
+(:mod:`~.mirror`); every rank imports from that copy (:mod:`~.finder`)
 and asks its leader for what is not there yet (:mod:`~.request`). Nothing
 is collective per import, so ranks that import different things, or
 nothing, or that fail an import, cannot hang each other.
@@ -93,7 +93,7 @@ class LiveSession:
         tag = topo.world.bcast(job_tag() if topo.world.rank == 0 else None, root=0)
 
         def on_leader():
-            from mpistage.runtime.mirror import Writer
+            from mpistage.runtime.live.mirror import Writer
 
             if topo.is_leader:
                 place = JobPlace(tag, topo.index, self.session.keep)
@@ -105,8 +105,8 @@ class LiveSession:
 
     def serve(self, topo):
         """Start the relays (leaders; the reader on rank 0) and this rank's client."""
-        from mpistage.runtime import request
-        from mpistage.runtime.mirror import Listings
+        from mpistage.runtime.live import request
+        from mpistage.runtime.live.mirror import Listings
 
         serve, reply = self.comms
         world = topo.world
@@ -125,8 +125,8 @@ class LiveSession:
 
     def make_relay(self, topo, leaders):
         """Return this leader's relay, holding the reader on world rank 0."""
-        from mpistage.runtime.reader import Reader
-        from mpistage.runtime.relay import Relay
+        from mpistage.runtime.live.reader import Reader
+        from mpistage.runtime.live.relay import Relay
 
         reader = Reader(self.sources) if topo.world.rank == 0 else None
         serve, reply = self.comms
@@ -136,7 +136,7 @@ class LiveSession:
         """Serve imports live: the path hook, distributions, no stale finders."""
         import importlib.machinery
 
-        from mpistage.runtime import livefinder
+        from mpistage.runtime.live import finder as livefinder
 
         self.roots = served_roots(self.args)
         hook = livefinder.LiveHook(self)
@@ -166,7 +166,7 @@ class LiveSession:
 
     def listing(self, path):
         """Return the listing of *path* (asking for it once); raise if none comes."""
-        from mpistage.runtime.livefinder import Unknown
+        from mpistage.runtime.live.finder import Unknown
 
         found = self.listings.get(path)
         if found is None:
@@ -209,7 +209,7 @@ class LiveSession:
 
     def copy(self, path):
         """Return where the original *path* is in this node's copy."""
-        from mpistage.runtime.mirror import copy_path
+        from mpistage.runtime.live.mirror import copy_path
 
         return copy_path(self.copy_root, path)
 
@@ -275,7 +275,7 @@ class LiveSession:
 
     def uninstall(self):
         """Take the hook and the distribution finder out; drop live finders."""
-        from mpistage.runtime import livefinder
+        from mpistage.runtime.live import finder as livefinder
 
         hook, meta = self.installed or (None, None)
         if hook in _sys.path_hooks:
@@ -351,23 +351,12 @@ class LiveSession:
 
         mpistage's own files in the copy (the listings) have none: ``None``.
         """
-        from mpistage.runtime.mirror import TREE
+        from mpistage.runtime.live.mirror import TREE
 
         if not self.copy_root or not path.startswith(self.copy_root + "/"):
             return path
         head = f"{self.copy_root}/{TREE}/"
         return path[len(head) - 1 :] if path.startswith(head) else None
-
-
-def wanted(world):
-    """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
-    from mpistage.runtime.broadcast import share
-    from mpistage.runtime.place import flag
-
-    value = attempt(
-        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
-    )
-    return share(world, value)
 
 
 def served_roots(args):

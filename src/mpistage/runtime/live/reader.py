@@ -7,7 +7,7 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
 - ``("d", dir)``: the directory's listing;
 - ``("r", dir, rank, generation)``: the listing read again, for a rank that
   called ``importlib.invalidate_caches()`` and then missed a name there
-  (see :mod:`~.live`); each listing read has a version, counted per
+  (see :mod:`~mpistage.runtime.live`); each listing read has a version, counted per
   directory;
 - ``("m", dir, name, version)``: a module or package, as plain python would read it
   next: the package's listing and its ``__init__``, or the module's file.
@@ -65,7 +65,7 @@ class Reader:
 
     def module(self, folder, name, out):
         """Add the files plain python would read to import *name* from *folder*."""
-        from mpistage.runtime.livefinder import locate
+        from mpistage.runtime.live.finder import locate
 
         found = locate(lambda path: self.listing(path, out), folder, name)
         if found is None:
@@ -101,7 +101,7 @@ class Reader:
 
     def extension(self, path, out):
         """Add an extension, after the libraries it needs from ``$ORIGIN``."""
-        from mpistage.runtime import origin
+        from mpistage.runtime.live import origin
 
         if path in self.sent:
             return

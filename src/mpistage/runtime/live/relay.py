@@ -33,7 +33,7 @@ flight. An unexpected error in a relay ends the job (``MPI_Abort``).
 
 import _thread
 
-from mpistage.runtime.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUEST
+from mpistage.runtime.live.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUEST
 
 POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
 IDLE_AFTER = 2.0  # seconds without traffic before polling slows to POLL_IDLE
@@ -48,12 +48,12 @@ NEEDS = (  # imported before the thread starts (see above)
     "importlib.util",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
-    "mpistage.runtime.livefinder",
-    "mpistage.runtime.mirror",
-    "mpistage.runtime.origin",
+    "mpistage.runtime.live.finder",
+    "mpistage.runtime.live.mirror",
+    "mpistage.runtime.live.origin",
+    "mpistage.runtime.live.reader",
+    "mpistage.runtime.live.request",
     "mpistage.runtime.place",
-    "mpistage.runtime.reader",
-    "mpistage.runtime.request",
     "mpistage.runtime.roots",
 )
 
@@ -171,7 +171,7 @@ class Relay:
 
         from mpi4py import MPI
 
-        from mpistage.runtime.request import receive
+        from mpistage.runtime.live.request import receive
 
         status = MPI.Status()
         message = self.serve.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
@@ -257,7 +257,7 @@ class Relay:
             return self.answer(waiter, CLOSED)
         self.pending[key] = [waiter]
         self.counts["forwarded"] += 1
-        from mpistage.runtime.request import dumps
+        from mpistage.runtime.live.request import dumps
 
         self.send(dumps(key), 0, FORWARD)
 
@@ -267,7 +267,7 @@ class Relay:
             waiter.result = result
             waiter.done.release()
         else:
-            from mpistage.runtime.request import dumps
+            from mpistage.runtime.live.request import dumps
 
             rank, tag = waiter
             self.send(dumps(result), rank, tag, self.reply)
@@ -316,7 +316,7 @@ class Relay:
 
     def push(self, items):
         """Reader: send new *items* down the tree and write them here."""
-        from mpistage.runtime.request import dumps
+        from mpistage.runtime.live.request import dumps
 
         self.seq += 1
         if self.children:
@@ -329,7 +329,7 @@ class Relay:
 
     def forwarded(self, key, leader):
         """Reader: a leader forwarded *key*; acknowledge with its push."""
-        from mpistage.runtime.request import dumps
+        from mpistage.runtime.live.request import dumps
 
         self.resolve(key)
         self.send(dumps((key, self.known.get(key, self.seq))), leader, ACK)
@@ -346,7 +346,7 @@ class Relay:
         """Take the next step of the end; return whether one was taken."""
         if self.reader is None:
             if not self.said_bye and not self.pending:
-                from mpistage.runtime.request import dumps
+                from mpistage.runtime.live.request import dumps
 
                 self.said_bye = True
                 self.send(dumps(None), 0, BYE)

@@ -17,9 +17,10 @@ directory listing) and every rank of the node reads them:
   without asking it.
 
 The leader creates everything relative to directory descriptors, without
-following symlinks, like extraction does (:class:`~.extract.Dirs`); the root
-itself is made, guarded and removed like the runner's copy
-(:mod:`~.place`, :mod:`~.cleanup`). The paths come from the reader, a rank of
+following symlinks, like extraction does
+(:class:`~mpistage.runtime.extract.Dirs`); the root itself is made, guarded
+and removed like the runner's copy (:mod:`~mpistage.runtime.place`,
+:mod:`~mpistage.runtime.cleanup`). The paths come from the reader, a rank of
 the same job, and are still checked: absolute, no ``.`` or ``..``.
 """
 
@@ -132,7 +133,7 @@ class Listings:
     Each listing is ``None`` (no such directory), ``False`` (not a
     directory) or a tuple of entries, directories ending in ``/``, with its
     version (the reader lists a directory again when asked, see
-    :mod:`~.live`): a newer record of a directory replaces an older one.
+    :mod:`~mpistage.runtime.live`): a newer record of a directory replaces an older one.
     """
 
     def __init__(self, root):

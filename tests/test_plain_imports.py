@@ -153,7 +153,7 @@ def emitted(env, name):
     return ast.literal_eval(path.read_text())
 
 
-@pytest.mark.parametrize("mode", ["bundle", "auto"])
+@pytest.mark.parametrize("mode", ["bundle", "auto", "live"])
 def test_a_module_beside_the_script_is_the_programs_on_every_rank(
     tmp_path, stage_env, tiny, mode
 ):
@@ -176,6 +176,8 @@ def test_a_module_beside_the_script_is_the_programs_on_every_rank(
     env = dict(env, MPISTAGE_EMULATE_NODES="2")
     if mode == "bundle":
         options = ["--bundle", tiny["bundle"]]
+    elif mode == "live":
+        options = []
     else:
         options = ["--auto", "--cache-dir", tmp_path / "cache"]
     for _ in range(1 if mode == "bundle" else 2):  # --auto: learn, then replay

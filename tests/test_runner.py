@@ -313,9 +313,22 @@ def test_misses_are_reported(tmp_path, stage_env, tiny):
     assert "mpistage report" not in result.stdout
 
 
-def test_without_bundle_target_simply_runs(tmp_path, stage_env, stage_dir, tiny):
+def test_without_bundle_imports_are_live(tmp_path, stage_env, stage_dir, tiny):
     stage_env["PYTHONPATH"] = str(tiny["site"])
-    code = "import tinypkg; emit(tinypkg.__file__)"
+    code = "import tinypkg; emit([tinypkg.__file__, where(tinypkg)])"
+
+    result = mpirun(2, ["-m", "mpistage", "-c", EMIT + code], stage_env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    original = str(tiny["site"] / "tinypkg/__init__.py")
+    for file, read in results(stage_env, 2):
+        assert file == original  # as with plain python
+        assert read.startswith(str(stage_dir)) and read.endswith(original), read
+    assert job_dirs(stage_dir) == []
+
+
+def test_live_imports_can_be_switched_off(tmp_path, stage_env, stage_dir, tiny):
+    stage_env.update(PYTHONPATH=str(tiny["site"]), MPISTAGE_LIVE="no")
+    code = "import tinypkg; emit(where(tinypkg))"
 
     result = mpirun(2, ["-m", "mpistage", "-c", EMIT + code], stage_env, cwd=tmp_path)
     assert result.returncode == 0, result

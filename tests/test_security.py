@@ -283,17 +283,22 @@ ENDINGS = {
 }
 
 
+def bundle_or_live(how, tiny):
+    """The runner's options: stage the tiny bundle, or none (live imports)."""
+    return ["--bundle", tiny["bundle"]] if how == "bundle" else []
+
+
+@pytest.mark.parametrize("how", ["bundle", "live"])
 @pytest.mark.parametrize("case", sorted(ENDINGS))
 def test_abnormal_endings_leave_no_copy(
-    stage_env, stage_dir, tiny, reap_mpich_shm, case
+    stage_env, stage_dir, tiny, reap_mpich_shm, case, how
 ):
     code, expected = ENDINGS[case]
     env = dict(stage_env, PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")
     args = [
         "-m",
         "mpistage",
-        "--bundle",
-        tiny["bundle"],
+        *bundle_or_live(how, tiny),
         "-c",
         "import tinypkg\n" + code,
     ]
@@ -311,13 +316,14 @@ time.sleep(60)
 """
 
 
+@pytest.mark.parametrize("how", ["bundle", "live"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_launcher_leaves_no_copy(
-    tmp_path, stage_env, stage_dir, tiny, reap_mpich_shm, sig
+    tmp_path, stage_env, stage_dir, tiny, reap_mpich_shm, sig, how
 ):
     env = dict(stage_env, PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")
     target = write_target(tmp_path / "sleep.py", SLEEPER)
-    cmd = [MPIEXEC, "-n", "4", PYTHON, "-m", "mpistage", "--bundle", tiny["bundle"]]
+    cmd = [MPIEXEC, "-n", "4", PYTHON, "-m", "mpistage", *bundle_or_live(how, tiny)]
     proc = subprocess.Popen(
         [*cmd, target], env=env, stderr=subprocess.PIPE, start_new_session=True
     )

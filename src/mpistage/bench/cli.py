@@ -79,8 +79,9 @@ def run_parser():
         "--modes",
         default=None,
         help="realistic: floor,plain,mpistage,mpistage-trust,staged-env,local "
-        "(default), mpistage-m; packages: plain,mpistage,mpistage-trust,auto,local,"
-        "plain-env,staged-env (default plain,mpistage,local)",
+        "(default), mpistage-m, live, auto-first; packages: plain,mpistage,"
+        "mpistage-trust,auto,live,auto-first,local,plain-env,staged-env "
+        "(default plain,mpistage,local)",
     )
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument(

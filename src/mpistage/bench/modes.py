@@ -13,6 +13,10 @@ and the workload are. Add a mode by writing a class and listing it in
   without the staleness check;
 - ``mpistage-m``: the same started as ``python -m mpistage``;
 - ``auto``: the runner's ``--auto``, second run (packages layout);
+- ``live``: the runner with no bundle: imports served live (rank 0 reads,
+  each node keeps a copy);
+- ``auto-first``: the first run of ``--auto`` (live, and the bundle saved),
+  with an empty cache in every cell;
 - ``staged-env``: ``mpistage stage`` of the whole environment (one rank per
   node), then the run from node-local storage; both steps timed and counted;
 - ``local``: everything node-local, the no-cost limit;
@@ -130,7 +134,15 @@ class Plain(Mode):
     name = "plain"
 
 
-class Bundled(Mode):
+class Runner(Mode):
+    """A run through the ``mpistage`` command, which writes a JSON report."""
+
+    def env(self, testbed, nodes):
+        """Also ask the runner for its JSON report."""
+        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
+
+
+class Bundled(Runner):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
@@ -153,10 +165,6 @@ class Bundled(Mode):
         """Run the target through ``mpistage --bundle`` (python runs the command)."""
         return [testbed.layout.command, "--bundle", self.bundle]
 
-    def env(self, testbed, nodes):
-        """Also ask the runner for its JSON report."""
-        return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
-
     def stage_seconds(self, testbed):
         """The runner's staging seconds, from its report."""
         return report_seconds(testbed.report_path)
@@ -168,7 +176,7 @@ class BundledTrust(Bundled):
     name = "mpistage-trust"
 
     def runner(self, testbed):
-        """Run the target through ``python -m mpistage --bundle --trust``."""
+        """Run the target through ``mpistage --bundle --trust``."""
         return super().runner(testbed) + ["--trust"]
 
 
@@ -204,6 +212,50 @@ class Auto(Bundled):
     def runner(self, testbed):
         """Run the target through ``mpistage --auto``."""
         return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
+
+
+class Live(Runner):
+    """The runner with no bundle: imports served live."""
+
+    name = "live"
+
+    def runner(self, testbed):
+        """Run the target through the ``mpistage`` command, no bundle."""
+        return [testbed.layout.command]
+
+
+class AutoFirst(Live):
+    """``--auto`` with an empty cache: live imports, then the bundle is saved."""
+
+    name = "auto-first"
+
+    def prepare(self, testbed):
+        """A cache directory of its own, emptied after every cell."""
+        self.cache = _os.path.join(testbed.work, "auto-first-cache")
+
+    def runner(self, testbed):
+        """Run the target through ``mpistage --auto``."""
+        return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
+
+    def launch(self, testbed, ranks, nodes, code):
+        """Run the cell; report the saved bundle's size and the time saving took.
+
+        ``stage_s`` is the job's end after every rank imported: the reduction
+        of what was used and the bundle written (``total_s`` excludes it).
+        """
+        import json
+
+        start, stats, extra = super().launch(testbed, ranks, nodes, code)
+        ended = _time.time()
+        with open(testbed.result_path) as f:
+            extra["stage_s"] = ended - json.load(f)["t_all"]
+        saved = [_os.path.join(self.cache, n) for n in _os.listdir(self.cache)]
+        extra["bundle_bytes"] = sum(_os.path.getsize(p) for p in saved)
+        return start, stats, extra
+
+    def after(self, testbed):
+        """Empty the cache, so that the next cell is a first run again."""
+        _shutil.rmtree(self.cache, ignore_errors=True)
 
 
 class StagedEnv(Mode):
@@ -354,7 +406,17 @@ class StagedSmallEnv(StagedEnv):
 MODES = {
     "realistic": {
         m.name: m
-        for m in (Floor, Plain, Bundled, BundledTrust, BundledModule, StagedEnv, Local)
+        for m in (
+            Floor,
+            Plain,
+            Bundled,
+            BundledTrust,
+            BundledModule,
+            Live,
+            AutoFirst,
+            StagedEnv,
+            Local,
+        )
     },
     "packages": {
         m.name: m
@@ -363,6 +425,8 @@ MODES = {
             Bundled,
             BundledTrust,
             Auto,
+            Live,
+            AutoFirst,
             LocalPackages,
             PlainEnv,
             StagedSmallEnv,

@@ -13,6 +13,10 @@ Python process of the recorded command, as it does in every rank of an
   entry of the directories the program listed, so ``os.listdir`` and
   ``importlib.resources`` ``iterdir`` see what they saw before.
 
+A usage may say where a copy of some files is (``copies``: an ``--auto``
+run with live imports learned from node 0's copy): those are read there,
+not from the shared file system again.
+
 The standard library modules the program used are taken too (unless
 ``stdlib=False``), and every sys.path directory is recorded with its
 listing. mpistage itself is left out. Top-level ``.pth`` files of each used
@@ -36,23 +40,27 @@ def usable_roots(usages, stdlib):
     return sorted(keep, key=len, reverse=True)
 
 
-def choose(selection, path, roots, granularity, done):
+def choose(selection, path, roots, granularity, done, copies=None):
     """Add the member(s) that a use of *path* calls for.
 
-    *done* holds the (root, name) packages already added whole.
+    *done* holds the (root, name) packages already added whole; *copies*
+    the files known to exist, with where a copy of each is.
     """
     from mpistage.bundle.pack import add_top
     from mpistage.runtime.roots import METADATA_SUFFIXES, root_of, top_name
 
+    copies = copies or {}
     found = root_of(path, roots)
-    if found is None or not _os.path.exists(path):
+    if found is None or not (path in copies or _os.path.exists(path)):
         return
     root, top, rel = found
     is_dir = "/" in rel or _os.path.isdir(_os.path.join(root, top))
     name = top_name(top, is_dir)
     if name == "mpistage" or top == "mpistage.pth":
         return
-    if granularity == "file" or (name is None and top == "__pycache__"):
+    if path in copies and granularity == "file":
+        take_copied(selection, root, path, rel)
+    elif granularity == "file" or (name is None and top == "__pycache__"):
         selection.take(root, path)
     elif top.endswith(METADATA_SUFFIXES + (".libs",)):
         selection.take(root, _os.path.join(root, top))
@@ -62,6 +70,21 @@ def choose(selection, path, roots, granularity, done):
             add_top(selection, root, name, top_locations(root, name))
     else:
         selection.take(root, path)
+
+
+def take_copied(selection, root, path, rel):
+    """Take a file that has a copy, without looking at the original."""
+    selection.index(root)
+    if not selection.excluded(rel):
+        selection.add(root, path)
+
+
+def read_from_copies(selection, copies):
+    """Read files from their copies; not those directly in a root (inodes count)."""
+    for root in selection.paths:
+        for path in selection.taken(root):
+            if path in copies and _os.path.dirname(path) != root:
+                selection.relocate(root, path, source=copies[path])
 
 
 def top_locations(root, name):
@@ -104,8 +127,9 @@ def build(
     check_same_python(usages)
     roots, selection, done = usable_roots(usages, stdlib), Selection(TEST_DIRS), set()
     used = sorted({p for u in usages for p in u["files"]})
+    copies = {k: v for u in usages for k, v in u.get("copies", {}).items()}
     for path in used:
-        choose(selection, path, roots, granularity, done)
+        choose(selection, path, roots, granularity, done, copies)
     keep_used_tests(selection, used, roots)
     if granularity == "file":
         take_listed(selection, usages, roots)
@@ -117,6 +141,7 @@ def build(
                 selection.take(root, _os.path.join(root, entry))
     for root in roots:
         selection.index(root)
+    read_from_copies(selection, copies)
     names = sorted({n for r in selection.paths for n in tops(selection, r)})
     info = dict(extra or {}, granularity=granularity)
     fields = {"created_by": created_by, "packages": names, "recorded": info}

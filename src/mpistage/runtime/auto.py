@@ -116,20 +116,30 @@ def start_recording():
 
 def merge(a, b):
     """Union of two usages (the reduction operator of :func:`save`)."""
-    return dict(a, files=sorted(set(a["files"]) | set(b["files"])))
+    copies = {**a.get("copies", {}), **b.get("copies", {})}
+    files = sorted(set(a["files"]) | set(b["files"]))
+    listed = sorted(set(a.get("listed", [])) | set(b.get("listed", [])))
+    return dict(a, files=files, listed=listed, copies=copies)
 
 
-def save(comm, recorder, path, args):
+def save(comm, recorder, path, args, live=None):
     """Reduce every rank's usage to rank 0, which has the bundle built (collective).
 
     Rank 0 writes the union to a file beside the cached bundle and runs
     ``mpistage record --usage FILE`` on it, in a process of its own: the
     bundle is made by the tool that makes bundles, with none of the
-    program's modules around.
+    program's modules around. After live imports (*live*), paths in a
+    node's copy count as their originals, and rank 0 adds every file the
+    reader served.
     """
     from mpistage.runtime.collective import attempt
 
-    usage = comm.reduce(attempt(comm, recorder.usage), op=merge, root=0)
+    def usage():
+        if live is None or live.mode != "live":
+            return recorder.usage()
+        return live.usage(recorder.usage(modules=False))
+
+    usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
     if comm.rank == 0:
         usage.update(created_by="auto", processes=comm.size)
         usage["command"] = ["python", "-m", "mpistage", "--auto", *args]
@@ -149,6 +159,8 @@ def build(path, usage):
         with _os.fdopen(fd, "w") as f, lend("json"):
             json.dump(usage, f)
         command = [_sys.executable, "-m", "mpistage", "record", "--usage", saved]
+        if usage.get("copies"):  # what a live run served, read from node 0's copy
+            command += ["--granularity", "file"]
         done = subprocess.run(
             [*command, "-o", path], cwd=folder, capture_output=True, text=True
         )
@@ -183,12 +195,19 @@ class Recorder:
         path = _os.path.normpath(_os.path.abspath(path))
         (self.listed if kind == "listing" else self.paths).add(path)
 
-    def usage(self):
-        """Stop recording; return what was used, as JSON-ready data."""
+    def usage(self, modules=True):
+        """Stop recording; return what was used, as JSON-ready data.
+
+        Without *modules*, the loaded modules' files are not looked up (a
+        live run's reader knows them; looking costs a stat of each original).
+        """
         from mpistage.runtime.bundlefile import python_tag
 
         self.active = False
-        paths = originals(self.paths | module_files(self.preloaded) | mapped_files())
+        paths = self.paths | mapped_files()
+        if modules:
+            paths |= module_files(self.preloaded)
+        paths = originals(paths)
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
         return {

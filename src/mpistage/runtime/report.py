@@ -140,6 +140,7 @@ def summarize(job, ranks):
             "missed_on_ranks": missing_ranks,
         },
         "original_accesses": accesses,
+        "live": live_summary(job.get("live"), ranks),
         "start": starts([r.get("start") for r in ranks]),
     }
 
@@ -165,6 +166,18 @@ def starts(facts):
     return found
 
 
+def live_summary(mode, ranks):
+    """Sum the live-import figures of all ranks (``None`` without live imports)."""
+    if mode is None:
+        return None
+    summary = {"mode": mode}
+    for facts in (r.get("live") or {} for r in ranks):
+        for key, value in facts.items():
+            if key != "mode":
+                summary[key] = summary.get(key, 0) + value
+    return summary
+
+
 def render(report):
     """Return the report as one screen of text."""
     mods, sec = report["modules"], report["seconds"]
@@ -178,6 +191,9 @@ def render(report):
         f"  modules: {mods['served']} served from the staged copy, "
         f"{mods['missed']} missed, {mods['stdlib']} from the standard library",
     ]
+    live = report.get("live")
+    if live:
+        lines.append(live_line(live))
     accesses = report.get("original_accesses", {})
     if any(accesses.values()):
         counts = ", ".join(f"{accesses[k]} {k}" for k in KINDS if accesses[k])
@@ -188,6 +204,19 @@ def render(report):
         lines.append(f"  missed: {shown}")
         lines.append(hint(mods.get("missed_on_ranks", [0]), report["ranks"]))
     return "\n".join(lines)
+
+
+def live_line(live):
+    """Say in one line what live imports did."""
+    if live["mode"] != "live":
+        return f"  live imports: none ({live['mode']})"
+    return (
+        f"  live imports: rank 0 read {live.get('read_files', 0)} files "
+        f"({live.get('read_bytes', 0)} bytes) and {live.get('read_listings', 0)} "
+        f"listings; {live.get('requests', 0)} requests, "
+        f"{live.get('relay_forwarded', 0)} forwarded to rank 0, "
+        f"{live.get('fallbacks', 0)} read from originals"
+    )
 
 
 def start_lines(start):

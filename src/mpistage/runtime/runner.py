@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import COMMANDS, StageError
+from mpistage import COMMANDS, StageError, preload
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
@@ -22,8 +22,8 @@ usage: python -m mpistage [options] <app.py> [arg] ...
 
 options:
   --bundle FILE   stage FILE (.mpistage) node-locally and import from it
-                  (default: $MPISTAGE_BUNDLE; without a bundle the target
-                  simply runs)
+                  (default: $MPISTAGE_BUNDLE; without a bundle, imports are
+                  served live: rank 0 reads, each node keeps a copy)
   --auto          learn the bundle on the first run (every rank records),
                   replay it on later runs, rebuild it when stale
   --cache-dir DIR where --auto keeps bundles (default: $MPISTAGE_CACHE_DIR,
@@ -39,7 +39,7 @@ options:
 
 environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
-MPISTAGE_CACHE_DIR.
+MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle).
 
 tools: mpistage {%s} --help"""
 
@@ -126,7 +126,7 @@ class Runner:
         self.world, self.options, self.args = world, options, list(args)
         self.session = self.recorder = self.auto = self.watch = None
         self.status, self.ended, self.cancel_watch = 0, False, None
-        self.seconds = {}
+        self.seconds, self.live = {}, None
 
     def start(self):
         """Check the target, find the nodes, stage (or, with ``--auto``, record)."""
@@ -144,6 +144,8 @@ class Runner:
             self.start_auto()
         elif bundle:
             self.session.start()
+        else:
+            self.start_live()
         self.cancel_watch = at_finalize(self.end, self.world)
         if self.reporting() and self.session.staged is not None:
             from mpistage.runtime.report import Watch
@@ -202,9 +204,24 @@ class Runner:
         verdict = share(self.world, verdict)
         self.auto = verdict or "replayed"
         if verdict:
+            self.start_live(sources=True)
             self.recorder = auto.start_recording()
         else:
             session.spread(buf, manifest)
+
+    def start_live(self, sources=False):
+        """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off.
+
+        With *sources* (an ``--auto`` learning run), sources travel with their
+        bytecode, for the bundle built from node 0's copy at the end.
+        """
+        if not live_wanted(self.world):
+            return
+        preload(self.world, "mpistage.runtime.live")  # read only when used
+        from mpistage.runtime.live import LiveSession
+
+        self.live = LiveSession(self.session, self.args, sources)
+        self.live.start()
 
     def run(self):
         """Run the target like ``python -m mpi4py``; end the job if it fails."""
@@ -260,7 +277,11 @@ class Runner:
             self.session.close()
             return
         self.cancel_watch()
+        if self.live is not None:
+            self.live.close()  # its relays end first; the report counts them
         self.wrap_up()
+        if self.live is not None:
+            self.live.release()
         self.session.close()
 
     def wrap_up(self):
@@ -270,11 +291,14 @@ class Runner:
         if self.recorder is not None:
             from mpistage.runtime import auto
 
-            auto.save(self.world, self.recorder, self.session.bundle, self.args)
+            auto.save(
+                self.world, self.recorder, self.session.bundle, self.args, self.live
+            )
         if not self.reporting():
             return
         seconds = {**self.session.seconds, **self.seconds}
         facts = report.local_facts(self.session, seconds, self.watch)
+        facts["live"] = self.live.facts() if self.live else None
         ranks = self.world.gather(facts, root=0)
         if self.world.rank == 0:
             summary = report.summarize(self.job_facts(), ranks)
@@ -288,6 +312,7 @@ class Runner:
             "bundle": session.bundle,
             "bundle_bytes": session.staged.nbytes if session.staged else 0,
             "auto": self.auto,
+            "live": self.live.mode if self.live else None,
         }
 
 
@@ -383,10 +408,24 @@ def leave_child(status):
     _os._exit(status)
 
 
+def live_wanted(world):
+    """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
+    from mpistage.runtime.broadcast import share
+    from mpistage.runtime.collective import attempt
+    from mpistage.runtime.place import flag
+
+    value = attempt(
+        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
+    )
+    return share(world, value)
+
+
 def fail(runner, error):
     """End every rank after an agreed error: one line, cleanup, exit 1."""
     if runner.session is not None:
         runner.session.abandon()
+    if runner.live is not None:
+        runner.live.abandon()
     if runner.world.rank == 0:
         print(f"mpistage: error: {error}", file=_sys.stderr, flush=True)
     _sys.exit(1)

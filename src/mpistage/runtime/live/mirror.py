@@ -1,0 +1,190 @@
+"""The node's live copy: what the reader served, at the original paths.
+
+With live imports there is no bundle: the node's copy fills up while the
+job runs. The leader writes each item the reader pushes (a file, a
+directory listing) and every rank of the node reads them:
+
+- files go below ``<root>/tree`` at their original absolute path
+  (``/venv/lib/.../numpy/__init__.py`` →
+  ``<root>/tree/venv/lib/.../numpy/__init__.py``), so that an extension
+  finds its ``$ORIGIN`` libraries at the same relative place and the copy of
+  one path never depends on how another was reached. Each file is written
+  to a temporary name and renamed into place: a file that exists is
+  complete;
+- listings go to an append-only log, ``<root>/.mpistage-listings``, one
+  length-prefixed record each (path, entries, version), which ranks
+  read from where they left off: a rank learns what its leader knows
+  without asking it.
+
+The leader creates everything relative to directory descriptors, without
+following symlinks, like extraction does
+(:class:`~mpistage.runtime.extract.Dirs`); the root itself is made, guarded
+and removed like the runner's copy (:mod:`~mpistage.runtime.place`,
+:mod:`~mpistage.runtime.cleanup`). The paths come from the reader, a rank of
+the same job, and are still checked: absolute, no ``.`` or ``..``.
+"""
+
+import os as _os
+
+TREE = "tree"
+LOG = ".mpistage-listings"
+FILE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
+HEADER = 4  # bytes of a log record's length
+
+
+def relative(path):
+    """Return the absolute *path* as a path below the tree; refuse odd ones."""
+    parts = path.split("/")
+    if parts[0] != "" or any(p in ("", ".", "..") for p in parts[1:]):
+        raise ValueError(f"not a plain absolute path: {path!r}")
+    return "/".join(parts[1:])
+
+
+def copy_path(root, path):
+    """Return where the original *path* is in the copy at *root*."""
+    return f"{root}/{TREE}{path}" if path != "/" else f"{root}/{TREE}"
+
+
+class Writer:
+    """The leader's side: writes pushed items into its node's copy."""
+
+    def __init__(self, root):
+        from mpistage.runtime.extract import Dirs
+
+        self.root = root
+        _os.mkdir(TREE, 0o700, dir_fd=root.fd)
+        self.dirs = Dirs(open_dir(root.fd, TREE))
+        flags = _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
+        self.log = _os.open(LOG, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
+        self.full = False
+
+    def apply(self, items):
+        """Write *items* (files, then listings) in order."""
+        import marshal
+
+        records = []
+        for item in items:
+            if item[0] == "f":
+                self.write_file(*item[1:])
+            else:
+                records.append(marshal.dumps(item[1:]))
+        if records:
+            self.append(records)
+
+    def append(self, records):
+        """Append listing records to the log in one write."""
+        blob = b"".join(len(r).to_bytes(HEADER, "little") + r for r in records)
+        done = 0
+        while done < len(blob):
+            done += _os.write(self.log, blob[done:])
+
+    def write_file(self, path, data, mode, mtime_ns):
+        """Write one file below the tree atomically; a missing one is skipped."""
+        if data is None or self.full:
+            return
+        rel = relative(path)
+        parent, _, leaf = rel.rpartition("/")
+        fd = self.dirs.fd(parent)
+        tmp = f".{leaf}.mpistage-{_os.getpid()}"
+        try:
+            out = _os.open(tmp, FILE_FLAGS, (mode & 0o777) | 0o600, dir_fd=fd)
+            try:
+                view, done = memoryview(data), 0
+                while done < len(view):
+                    done += _os.write(out, view[done:])
+                if mtime_ns is not None:
+                    _os.utime(out, ns=(mtime_ns, mtime_ns))
+            finally:
+                _os.close(out)
+            _os.rename(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError as exc:
+            self.give_up(fd, tmp, exc)
+
+    def give_up(self, fd, tmp, exc):
+        """A file that cannot be written: the ranks read its original instead."""
+        import errno
+
+        try:
+            _os.unlink(tmp, dir_fd=fd)
+        except OSError:
+            pass
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.full = True  # Nothing more fits: later files come from originals.
+        elif exc.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise exc
+
+    def close(self):
+        """Close the descriptors (the files stay until the root is removed)."""
+        self.dirs.close()
+        _os.close(self.dirs.root_fd)
+        _os.close(self.log)
+
+
+def open_dir(parent_fd, name):
+    """Open the directory *name* below *parent_fd*, refusing a symlink."""
+    from mpistage.runtime.place import DIR_FLAGS
+
+    return _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+
+
+class Listings:
+    """A rank's side: the listings its leader logged, read as they come.
+
+    Each listing is ``None`` (no such directory), ``False`` (not a
+    directory) or a tuple of entries, directories ending in ``/``, with its
+    version (the reader lists a directory again when asked, see
+    :mod:`~mpistage.runtime.live`): a newer record of a directory replaces an older one.
+    """
+
+    def __init__(self, root):
+        import _thread
+
+        self.path = f"{root}/{LOG}"
+        self.fd, self.offset, self.known = None, 0, {}
+        self.lock = _thread.allocate_lock()
+
+    def get(self, path, fresh=False):
+        """Return (entries, version) of *path*, or ``None``.
+
+        New records are read first when the listing is unknown, or *fresh*.
+        """
+        found = self.known.get(path)
+        if found is None or fresh:
+            with self.lock:
+                self.refresh()
+            found = self.known.get(path)
+        return found
+
+    def refresh(self):
+        """Read the records appended since the last call; keep a partial one."""
+        import marshal
+
+        if self.fd is None:
+            try:
+                self.fd = _os.open(self.path, _os.O_RDONLY | _os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+        blob = b""
+        while True:
+            chunk = _os.pread(self.fd, 1 << 20, self.offset + len(blob))
+            if not chunk:
+                break
+            blob += chunk
+        at = 0
+        while at + HEADER <= len(blob):
+            size = int.from_bytes(blob[at : at + HEADER], "little")
+            if at + HEADER + size > len(blob):
+                break  # Being written: read again next time.
+            path, entries, version = marshal.loads(
+                blob[at + HEADER : at + HEADER + size]
+            )
+            if version >= self.known.get(path, (None, -1))[1]:
+                self.known[path] = (entries, version)
+            at += HEADER + size
+        self.offset += at
+
+    def close(self):
+        """Close the log."""
+        if self.fd is not None:
+            _os.close(self.fd)
+            self.fd = None

@@ -1,0 +1,294 @@
+"""The live reader: rank 0 reads the originals, each once per job.
+
+Without a bundle, one process reads the shared file system for the whole
+job. It answers *keys*, and returns the *items* to push to every node's copy
+(:mod:`~.mirror`), each item at most once:
+
+- ``("d", dir)``: the directory's listing;
+- ``("r", dir, rank, generation)``: the listing read again, for a rank that
+  called ``importlib.invalidate_caches()`` and then missed a name there
+  (see :mod:`~mpistage.runtime.live`); each listing read has a version, counted per
+  directory;
+- ``("m", dir, name, version)``: a module or package, as plain python would read it
+  next: the package's listing and its ``__init__``, or the module's file.
+  For source, that is the bytecode in ``__pycache__`` when it is valid for
+  the source (the source itself is stat'ed, not read: a rank needs it only
+  for a traceback or ``inspect``, and fetches it then); otherwise the
+  source. For an extension, also the libraries it needs from ``$ORIGIN``
+  directories (:mod:`~.origin`);
+- ``("f", path)``: one file: metadata, a resource, a source on demand.
+
+Everything is reached relative to directory descriptors opened once
+(``O_PATH`` where nothing is listed), so a file costs its own lookup and
+open, not a walk of its whole path: this is what keeps rank 0 below plain
+python's operations although it reads for every node.
+
+Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode, mtime_ns)``;
+``entries`` is ``None`` (no such directory), ``False`` (not a directory) or
+the sorted entries, directories ending in ``/``; ``data`` is ``None`` when
+the file cannot be read.
+"""
+
+import os as _os
+
+MAX_OPEN = 256  # directory descriptors kept open
+MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
+PATH_FLAGS = _os.O_PATH | _os.O_DIRECTORY | _os.O_CLOEXEC
+LIST_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC
+FILE_FLAGS = _os.O_RDONLY | _os.O_NONBLOCK | _os.O_CLOEXEC
+
+
+class Reader:
+    """The reader's view of the originals: listings, files sent, descriptors.
+
+    With *sources*, a module's source is sent with its valid bytecode (an
+    ``--auto`` learning run bundles both).
+    """
+
+    def __init__(self, sources=False):
+        self.listings, self.sent, self.fds = {}, set(), {}
+        self.sources = sources
+        self.counts = {"listings": 0, "files": 0, "bytes": 0}
+
+    def items(self, key):
+        """Return the new items that answer *key*."""
+        out = []
+        if key[0] in ("d", "r"):
+            self.listing(key[1], out, key[0] == "r")
+        elif key[0] == "m":
+            self.module(key[1], key[2], out)
+        elif key[0] == "f":
+            self.file(key[1], out)
+        return out
+
+    # -- modules -------------------------------------------------------------
+
+    def module(self, folder, name, out):
+        """Add the files plain python would read to import *name* from *folder*."""
+        from mpistage.runtime.live.finder import locate
+
+        found = locate(lambda path: self.listing(path, out), folder, name)
+        if found is None:
+            return
+        kind, path, _search = found
+        if kind == "source":
+            self.source(path, out)
+        elif kind == "extension":
+            self.extension(path, out)
+        elif kind == "bytecode":
+            self.file(path, out)
+
+    def source(self, path, out):
+        """Add the valid bytecode of the source *path*, else the source."""
+        from importlib.util import cache_from_source
+
+        cached = cache_from_source(path)
+        if path in self.sent or cached in self.sent:
+            return
+        folder, name = _os.path.split(path)
+        st = self.stat(folder, name)
+        if st is None:
+            return
+        head, tail = _os.path.split(cached)
+        got = None
+        if self.listed_dir(_os.path.dirname(head), _os.path.basename(head)):
+            got = self.read(head, tail)
+        verdict = bytecode_verdict(got and got[0], st)
+        if verdict != "stale":
+            self.add_file(cached, got, out)
+        if verdict != "valid" or self.sources:
+            self.file(path, out)
+
+    def extension(self, path, out):
+        """Add an extension, after the libraries it needs from ``$ORIGIN``."""
+        from mpistage.runtime.live import origin
+
+        if path in self.sent:
+            return
+        folder, name = _os.path.split(path)
+        got = self.read(folder, name)
+        if got is None:
+            return self.add_file(path, None, out)
+        todo, seen = [(got[0], folder, [])], {path}
+        while todo:
+            data, where, inherited = todo.pop()
+            names, dirs = origin.origin_dirs(data, where)
+            dirs = dirs + inherited  # the loader also searches its loaders' paths
+            for needed in names:
+                lib = self.library(needed, dirs, out)
+                if lib is not None and lib[0] not in seen:
+                    seen.add(lib[0])
+                    todo.append((lib[1], _os.path.dirname(lib[0]), dirs))
+        self.add_file(path, got, out)
+
+    def library(self, name, dirs, out):
+        """Find *name* in the ``$ORIGIN`` *dirs*; add it; return (path, data)."""
+        for folder in dirs:
+            entries = self.listing(folder, out)
+            if entries and name in entries:
+                path = f"{folder}/{name}"
+                if path in self.sent:
+                    return None
+                got = self.read(folder, name)
+                self.add_file(path, got, out)
+                return (path, got[0]) if got else None
+        return None
+
+    # -- files and listings --------------------------------------------------
+
+    def file(self, path, out):
+        """Add the file *path* (once)."""
+        if path not in self.sent:
+            folder, name = _os.path.split(path)
+            self.add_file(path, self.read(folder, name), out)
+
+    def add_file(self, path, got, out):
+        """Add a read file (or ``None``: unreadable) as an item."""
+        self.sent.add(path)
+        data, mode, mtime = got if got else (None, 0, None)
+        out.append(("f", path, data, mode, mtime))
+
+    def listing(self, path, out, again=False):
+        """Return the listing of *path*; add it as an item when (re)read.
+
+        It is read once, and *again* when a rank asks for a fresh one.
+        """
+        known = self.listings.get(path)
+        if known is None or again:
+            entries = self.list_dir(path)
+            version = known[1] + 1 if known else 0
+            self.listings[path] = known = (entries, version)
+            self.counts["listings"] += 1
+            out.append(("d", path, entries, version))
+        entries = known[0]
+        return frozenset(entries) if entries else entries
+
+    def listed_dir(self, folder, name):
+        """Whether *folder*'s listing (if read) shows a directory *name*."""
+        known = self.listings.get(folder)
+        return known is None or bool(known[0] and name + "/" in known[0])
+
+    def list_dir(self, path):
+        """Read the entries of *path*: ``None`` if absent, ``False`` if no dir."""
+        import errno
+
+        try:
+            fd = self.dir_fd(path, LIST_FLAGS)
+            with _os.scandir(fd) as found:
+                return tuple(
+                    sorted(e.name + "/" if dir_entry(e) else e.name for e in found)
+                )
+        except OSError as exc:
+            return False if exc.errno == errno.ENOTDIR else None
+
+    def stat(self, folder, name):
+        """Return the stat of *name* in *folder*, or ``None``."""
+        try:
+            return _os.stat(name, dir_fd=self.dir_fd(folder))
+        except OSError:
+            return None
+
+    def read(self, folder, name):
+        """Return (bytes, mode, mtime_ns) of the regular file *name*, or ``None``."""
+        import stat
+
+        try:
+            fd = _os.open(name, FILE_FLAGS, dir_fd=self.dir_fd(folder))
+        except OSError:
+            return None
+        try:
+            st = _os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
+                return None
+            data = read_all(fd, st.st_size)
+        except OSError:
+            return None
+        finally:
+            _os.close(fd)
+        self.counts["files"] += 1
+        self.counts["bytes"] += len(data)
+        return data, st.st_mode, st.st_mtime_ns
+
+    def dir_fd(self, path, flags=PATH_FLAGS):
+        """Return a descriptor of the directory *path*, opened from its parent's.
+
+        Directories are opened once each, relative to the nearest one
+        already open (a loop, not recursion); listing needs a real open.
+        """
+        held = self.fds.get(path)
+        if held is not None and (flags == PATH_FLAGS or held[1] == LIST_FLAGS):
+            self.fds[path] = self.fds.pop(path)  # most recently used last
+            return held[0]
+        todo = [path]
+        while todo[-1] != "/" and _os.path.dirname(todo[-1]) not in self.fds:
+            todo.append(_os.path.dirname(todo[-1]))
+        top, fd = todo[-1], None
+        if top != "/":
+            parent = _os.path.dirname(top)
+            self.fds[parent] = self.fds.pop(parent)  # not the one to close next
+            fd = self.fds[parent][0]
+        for index, step in enumerate(reversed(todo)):
+            want = flags if index == len(todo) - 1 else PATH_FLAGS
+            name = _os.path.basename(step) if fd is not None else step
+            fd = _os.open(name, want, dir_fd=fd)
+            self.keep(step, fd, want)
+        return fd
+
+    def keep(self, path, fd, flags):
+        """Remember a directory descriptor; close the least recently used."""
+        old = self.fds.pop(path, None)
+        if old is not None:
+            _os.close(old[0])
+        self.fds[path] = (fd, flags)
+        while len(self.fds) > MAX_OPEN:
+            _path, (first, _flags) = next(iter(self.fds.items()))
+            del self.fds[_path]
+            _os.close(first)
+
+    def close(self):
+        """Close every descriptor."""
+        for fd, _flags in self.fds.values():
+            _os.close(fd)
+        self.fds = {}
+
+
+def dir_entry(entry):
+    """Whether a directory entry is a directory (following a symlink)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def read_all(fd, size):
+    """Read *fd* to its end (*size* expected)."""
+    chunks, left = [], size
+    while True:
+        chunk = _os.read(fd, max(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def bytecode_verdict(data, st):
+    """Say whether bytecode *data* is ``valid`` for the source *st*.
+
+    ``hash``: hash-based (the ranks need the source to check it, or not:
+    both are sent); ``stale``: missing or not for this source.
+    """
+    from importlib.util import MAGIC_NUMBER
+
+    if not data or len(data) < 16 or data[:4] != MAGIC_NUMBER:
+        return "stale"
+    flags = int.from_bytes(data[4:8], "little")
+    if flags & 1:
+        return "hash"
+    mtime = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+    size = (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
+    return (
+        "valid"
+        if flags == 0 and data[8:12] == mtime and data[12:16] == size
+        else "stale"
+    )

@@ -1,0 +1,360 @@
+"""The node leader's relay: one thread per leader that serves live imports.
+
+Each node leader runs one thread (world rank 0's also holds the reader):
+
+- it answers its node's requests (:mod:`~.request`) from its copy, or
+  forwards the key to the reader, once per key however many ranks ask;
+- the reader answers a forwarded key with an acknowledgement naming the
+  push that carries it (its sequence number), and pushes what it read to
+  every leader along a binary tree of leaders: each leader passes a push
+  on to its children first, then writes it into its copy
+  (:class:`~.mirror.Writer`), so every file travels once to every node
+  and the reader sends each push to two leaders, not to all;
+- a key is answered once the push named in its acknowledgement has been
+  written here, so an answer never overtakes the bytes it stands for.
+
+The thread polls its communicator with growing sleeps (20 µs to 2 ms)
+instead of blocking inside MPI, so that an idle leader leaves the CPU to
+the program, and it wakes at once when a thread of its own process asks.
+
+The thread never imports: Python runs every finder with its global import
+lock held, so a rank's import may be waiting, lock in hand, for this very
+thread; a first import here would wait for that lock for ever. Everything
+the thread (and the reader it runs) uses is imported before it starts
+(:data:`NEEDS`).
+
+Ending takes two steps, after every rank has finished the program: each
+leader stops forwarding, waits for its outstanding keys, and says ``BYE``
+to the reader; when all have, the reader sends ``END`` down the tree after
+its last push. A thread ends once ``END`` has reached it and its sends are
+complete, so MPI finalizes with no server running and no message in
+flight. An unexpected error in a relay ends the job (``MPI_Abort``).
+"""
+
+import _thread
+
+from mpistage.runtime.live.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUEST
+
+POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
+IDLE_AFTER = 2.0  # seconds without traffic before polling slows to POLL_IDLE
+FANOUT = 2
+NEEDS = (  # imported before the thread starts (see above)
+    "errno",
+    "marshal",
+    "pickle",
+    "stat",
+    "struct",
+    "time",
+    "importlib.util",
+    "mpistage.runtime.collective",
+    "mpistage.runtime.extract",
+    "mpistage.runtime.live.finder",
+    "mpistage.runtime.live.mirror",
+    "mpistage.runtime.live.origin",
+    "mpistage.runtime.live.reader",
+    "mpistage.runtime.live.request",
+    "mpistage.runtime.place",
+    "mpistage.runtime.roots",
+)
+
+
+def tree(index, size):
+    """Return (parent, children) of leader *index* in the binary tree of *size*."""
+    parent = (index - 1) // FANOUT if index else None
+    first = index * FANOUT + 1
+    return parent, list(range(first, min(first + FANOUT, size)))
+
+
+class Waiter:
+    """A thread of this process waiting for a key."""
+
+    def __init__(self):
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.result = None
+
+
+class Relay:
+    """One leader's server: its node's requests, the tree, and (rank 0) the reader."""
+
+    def __init__(self, serve, reply, leaders, index, writer, reader=None):
+        self.serve, self.reply, self.writer, self.reader = serve, reply, writer, reader
+        parent, children = tree(index, len(leaders))
+        self.parent = None if parent is None else leaders[parent]
+        self.children = [leaders[c] for c in children]
+        self.others = len(leaders) - 1  # BYEs the reader waits for
+        self.lock = _thread.allocate_lock()
+        self.bell = _thread.allocate_lock()
+        self.bell.acquire()
+        self.finished = _thread.allocate_lock()
+        self.finished.acquire()
+        self.seq = self.applied = 0
+        self.known, self.pending, self.awaiting = {}, {}, []
+        self.local, self.sends = [], []
+        self.closing = self.said_bye = self.ended = self.stopped = False
+        self.byes = 0
+        self.counts = {"requests": 0, "forwarded": 0, "pushes": 0, "bytes": 0}
+
+    # -- the thread ----------------------------------------------------------
+
+    def start(self):
+        """Start serving in a thread of its own, all it needs imported first."""
+        import importlib
+
+        for name in NEEDS:
+            importlib.import_module(name)
+        _thread.start_new_thread(self.run, ())
+
+    def run(self):
+        """Serve until ``END`` (or, on the reader, all ``BYE``s) and sends drain."""
+        import time
+
+        try:
+            pause, quiet = POLL_MIN, time.monotonic()
+            while not (self.ended and not self.sends):
+                if self.step():
+                    pause, quiet = POLL_MIN, time.monotonic()
+                    continue
+                idle = time.monotonic() - quiet > IDLE_AFTER
+                self.bell.acquire(timeout=POLL_IDLE if idle else pause)
+                pause = min(pause * 2, POLL_MAX)
+        except BaseException as exc:  # noqa: BLE001  (a server must not die quietly)
+            self.crash(exc)
+        finally:
+            self.stop()
+
+    def step(self):
+        """Do what can be done now; return whether anything was."""
+        busy = self.receive()
+        busy = self.take_local() or busy
+        busy = self.progress() or busy
+        if self.closing:
+            busy = self.wind_down() or busy
+        return busy
+
+    def ring(self):
+        """Wake the thread now."""
+        try:
+            self.bell.release()
+        except RuntimeError:
+            pass  # Rung already.
+
+    def crash(self, exc):
+        """Say what went wrong and end the job: ranks may be waiting on us."""
+        import sys
+
+        from mpistage.runtime.collective import describe
+
+        rank = self.serve.Get_rank()
+        print(
+            f"mpistage: error: live imports on rank {rank}: {describe(exc)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.serve.Abort(1)
+
+    def stop(self):
+        """The thread ends: answer whoever still waits, then say so."""
+        with self.lock:
+            self.stopped = True
+            waiters = [w for _key, w in self.local]
+            self.local = []
+        for waiter in waiters:
+            self.answer(waiter, CLOSED)
+        self.finished.release()
+
+    # -- messages ------------------------------------------------------------
+
+    def receive(self):
+        """Take one message, if one came; return whether one did."""
+        import pickle
+
+        from mpi4py import MPI
+
+        from mpistage.runtime.live.request import receive
+
+        status = MPI.Status()
+        message = self.serve.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        if message is None:
+            return False
+        raw, source, tag = (
+            receive(self.serve, message, status),
+            status.source,
+            status.tag,
+        )
+        if tag == PUSH:
+            self.pushed(raw)
+        elif tag == END:
+            self.send_down(raw, END)
+            self.ended = True
+        elif tag == BYE:
+            self.byes += 1
+        else:
+            value = pickle.loads(raw)
+            if tag == REQUEST:
+                self.request(value[1], (source, value[0]))
+            elif tag == FORWARD:
+                self.forwarded(value, source)
+            elif tag == ACK:
+                self.acked(*value)
+        return True
+
+    def send(self, blob, dest, tag, comm=None):
+        """Send *blob* without waiting; it is kept until the send completes."""
+        from mpi4py import MPI
+
+        comm = comm or self.serve
+        self.sends.append((comm.Isend([blob, MPI.BYTE], dest, tag), blob))
+
+    def send_down(self, blob, tag):
+        """Pass *blob* on to this leader's children in the tree."""
+        for child in self.children:
+            self.send(blob, child, tag)
+
+    def progress(self):
+        """Let outstanding sends complete; forget those that did."""
+        if not self.sends:
+            return False
+        with self.lock:
+            left = [(r, b) for r, b in self.sends if not r.Test()]
+            done = len(left) < len(self.sends)
+            self.sends = left
+        return done
+
+    # -- requests ------------------------------------------------------------
+
+    def submit(self, key):
+        """A thread of this process asks for *key*; return its :class:`Waiter`."""
+        waiter = Waiter()
+        with self.lock:
+            if not self.stopped:
+                self.local.append((key, waiter))
+                self.ring()
+                return waiter
+        waiter.result = CLOSED
+        waiter.done.release()
+        return waiter
+
+    def take_local(self):
+        """Serve what threads of this process asked for."""
+        with self.lock:
+            local, self.local = self.local, []
+        for key, waiter in local:
+            self.request(key, waiter)
+        return bool(local)
+
+    def request(self, key, waiter):
+        """A rank of this node needs *key*."""
+        self.counts["requests"] += 1
+        if self.reader is not None:
+            return self.answer(waiter, self.resolve(key))
+        seq = self.known.get(key)
+        if seq is not None:
+            return self.when_applied(seq, [waiter])
+        if key in self.pending:
+            return self.pending[key].append(waiter)
+        if self.closing:
+            return self.answer(waiter, CLOSED)
+        self.pending[key] = [waiter]
+        self.counts["forwarded"] += 1
+        from mpistage.runtime.live.request import dumps
+
+        self.send(dumps(key), 0, FORWARD)
+
+    def answer(self, waiter, result=None):
+        """Tell a waiting rank or thread that its key is answered (or not)."""
+        if isinstance(waiter, Waiter):
+            waiter.result = result
+            waiter.done.release()
+        else:
+            from mpistage.runtime.live.request import dumps
+
+            rank, tag = waiter
+            self.send(dumps(result), rank, tag, self.reply)
+
+    def when_applied(self, seq, waiters):
+        """Answer *waiters* once push *seq* is written here."""
+        if seq <= self.applied:
+            for waiter in waiters:
+                self.answer(waiter)
+        else:
+            self.awaiting.append((seq, waiters))
+
+    def acked(self, key, seq):
+        """The reader says which push carries *key*."""
+        self.known[key] = seq
+        self.when_applied(seq, self.pending.pop(key, []))
+
+    def pushed(self, raw):
+        """A push came down the tree: pass it on, write it, answer who waited."""
+        import pickle
+
+        self.send_down(raw, PUSH)
+        seq, items = pickle.loads(raw)
+        self.writer.apply(items)
+        self.applied = seq
+        self.counts["pushes"] += 1
+        self.counts["bytes"] += len(raw)
+        ready = [w for s, ws in self.awaiting if s <= seq for w in ws]
+        self.awaiting = [(s, ws) for s, ws in self.awaiting if s > seq]
+        for waiter in ready:
+            self.answer(waiter)
+
+    # -- the reader (world rank 0) -------------------------------------------
+
+    def resolve(self, key):
+        """Reader: read what answers *key* (once), push it; ``None`` or ``"closed"``."""
+        with self.lock:
+            if self.ended:
+                return CLOSED
+            if key not in self.known:
+                items = self.reader.items(key)
+                if items:
+                    self.push(items)
+                self.known[key] = self.seq
+        return None
+
+    def push(self, items):
+        """Reader: send new *items* down the tree and write them here."""
+        from mpistage.runtime.live.request import dumps
+
+        self.seq += 1
+        if self.children:
+            blob = dumps((self.seq, items))
+            self.send_down(blob, PUSH)
+            self.counts["bytes"] += len(blob) * len(self.children)
+        self.writer.apply(items)
+        self.applied = self.seq
+        self.counts["pushes"] += 1
+
+    def forwarded(self, key, leader):
+        """Reader: a leader forwarded *key*; acknowledge with its push."""
+        from mpistage.runtime.live.request import dumps
+
+        self.resolve(key)
+        self.send(dumps((key, self.known.get(key, self.seq))), leader, ACK)
+
+    # -- the end -------------------------------------------------------------
+
+    def close(self):
+        """After the program: end the relay (see the module docstring); wait."""
+        self.closing = True
+        self.ring()
+        self.finished.acquire()
+
+    def wind_down(self):
+        """Take the next step of the end; return whether one was taken."""
+        if self.reader is None:
+            if not self.said_bye and not self.pending:
+                from mpistage.runtime.live.request import dumps
+
+                self.said_bye = True
+                self.send(dumps(None), 0, BYE)
+                return True
+            return False
+        if not self.ended and self.byes == self.others:
+            with self.lock:
+                self.ended = True
+                self.send_down(b"", END)
+            return True
+        return False

@@ -1,0 +1,118 @@
+"""The request path of live imports: a rank asks its leader, never everyone.
+
+Nothing is collective per import. A rank that needs a listing or a module
+that is not in its node's copy yet sends one request to its node leader
+and waits for the answer; the leader answers from its copy or asks the
+reader (:mod:`~.relay`). So a rank that imports what no other rank
+imports gets it, a rank that imports nothing blocks nobody, and an import
+that fails fails on its own rank only.
+
+Three kinds of process ask three ways, behind one :meth:`need`:
+
+- the reader (world rank 0) answers itself, in the asking thread;
+- a leader hands the key to its own relay thread and waits on a lock;
+- any other rank sends a message on the job's request communicator and
+  polls for the answer on the reply communicator, with a tag of its own
+  per request, so that threads of one rank can ask at the same time.
+
+Every request ends: with the answer, or with ``"closed"`` once the live
+session has ended (the caller then imports the plain way).
+"""
+
+import _thread
+
+REQUEST, FORWARD, ACK, PUSH, BYE, END = range(1, 7)
+FIRST_REPLY = 16  # reply tags are FIRST_REPLY .. MPI_TAG_UB
+CLOSED = "closed"
+POLL_MIN, POLL_MAX = 0.00002, 0.001  # seconds between polls for an answer
+
+
+def dumps(value):
+    """Pickle *value* for a message."""
+    import pickle
+
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def receive(comm, message, status):
+    """Receive the matched *message* (pickled bytes); return the raw buffer."""
+    from mpi4py import MPI
+
+    buf = bytearray(status.Get_count(MPI.BYTE))
+    message.Recv([buf, MPI.BYTE])
+    return buf
+
+
+class ReaderClient:
+    """World rank 0: its own relay resolves the key, in this thread."""
+
+    def __init__(self, relay):
+        self.relay = relay
+
+    def need(self, key):
+        """Return ``None`` once the node's copy answers *key*, or ``"closed"``."""
+        return self.relay.resolve(key)
+
+    def close(self):
+        """Nothing to close: the relay ends itself."""
+
+
+class LeaderClient:
+    """A node leader: its relay thread takes the key; this thread waits."""
+
+    def __init__(self, relay):
+        self.relay = relay
+
+    def need(self, key):
+        """Return ``None`` once the node's copy answers *key*, or ``"closed"``."""
+        waiter = self.relay.submit(key)
+        waiter.done.acquire()
+        return waiter.result
+
+    def close(self):
+        """Nothing to close: the relay answers what is left."""
+
+
+class RankClient:
+    """Any other rank: one message to the leader, the answer polled."""
+
+    def __init__(self, serve, reply, leader):
+        from mpi4py import MPI
+
+        self.serve, self.reply, self.leader = serve, reply, leader
+        self.lock, self.tag, self.closed = _thread.allocate_lock(), FIRST_REPLY, False
+        self.span = serve.Get_attr(MPI.TAG_UB) - FIRST_REPLY
+
+    def next_tag(self):
+        """Return a reply tag no other request of this rank is using."""
+        with self.lock:
+            tag = self.tag
+            self.tag = FIRST_REPLY + (tag - FIRST_REPLY + 1) % self.span
+        return tag
+
+    def need(self, key):
+        """Return ``None`` once the node's copy answers *key*, or ``"closed"``."""
+        import pickle
+        import time
+
+        from mpi4py import MPI
+
+        if self.closed:
+            return CLOSED
+        tag = self.next_tag()
+        sent = self.serve.Isend([dumps((tag, key)), MPI.BYTE], self.leader, REQUEST)
+        status, pause = MPI.Status(), POLL_MIN
+        while True:
+            message = self.reply.Improbe(self.leader, tag, status)
+            if message is not None:
+                answer = pickle.loads(receive(self.reply, message, status))
+                sent.Wait()
+                return answer
+            if self.closed:
+                return CLOSED  # The leader may be gone: no answer will come.
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_MAX)
+
+    def close(self):
+        """Stop asking: later requests, and those still waiting, get ``"closed"``."""
+        self.closed = True

@@ -1,0 +1,85 @@
+"""Rules of live imports that need no MPI job: the relay never imports.
+
+Python runs every finder with its global import lock held, so a rank's
+import can wait, lock in hand, for its leader's relay thread; a first import
+in that thread would then wait for the lock for ever (a hang seen once in
+thirty runs before the rule). Every module the thread's code imports must
+be in ``relay.NEEDS``, imported before the thread starts.
+"""
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from mpistage.runtime.live import relay
+
+THREAD_MODULES = (
+    "live.relay",
+    "live.reader",
+    "live.mirror",
+    "live.origin",
+    "live.request",
+    "extract",
+)
+
+
+def lazy_imports(module):
+    """Return the modules imported inside functions of *module*."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    found = set()
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+    return found
+
+
+# Loaded on every rank before live imports start: the interpreter's own,
+# mpi4py and the runtime package.
+LOADED = {
+    "_thread",
+    "importlib",
+    "mpi4py",
+    "mpistage.runtime",
+    "mpistage.runtime.live",
+    "os",
+    "sys",
+}
+
+
+@pytest.mark.parametrize("name", THREAD_MODULES)
+def test_what_the_relay_thread_imports_is_imported_before(name):
+    module = importlib.import_module(f"mpistage.runtime.{name}")
+    missing = lazy_imports(module) - set(relay.NEEDS) - LOADED
+    assert missing == set(), sorted(missing)
+
+
+def test_origin_reads_runpath_and_needed_of_a_real_extension():
+    np = pytest.importorskip("numpy")
+    from mpistage.runtime.live import origin
+
+    ext = Path(np._core._multiarray_umath.__file__)
+    names, dirs = origin.origin_dirs(ext.read_bytes(), str(ext.parent))
+    assert any(n.startswith("libscipy_openblas") for n in names), names
+    assert str(ext.parents[1].parent / "numpy.libs") in dirs, dirs
+
+
+def test_origin_needs_nothing_of_what_is_no_elf():
+    from mpistage.runtime.live import origin
+
+    assert origin.needs(b"#!/bin/sh\n") == ([], [])
+    assert origin.needs(b"\x7fELF" + bytes(60)) == ([], [])
+
+
+def test_tree_of_leaders():
+    assert relay.tree(0, 1) == (None, [])
+    assert relay.tree(0, 5) == (None, [1, 2])
+    assert relay.tree(1, 5) == (0, [3, 4])
+    assert relay.tree(2, 5) == (0, [])
+    assert relay.tree(4, 5) == (1, [])

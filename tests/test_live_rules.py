@@ -19,7 +19,6 @@ THREAD_MODULES = (
     "live.relay",
     "live.reader",
     "live.mirror",
-    "live.origin",
     "live.request",
     "extract",
 )
@@ -60,21 +59,30 @@ def test_what_the_relay_thread_imports_is_imported_before(name):
     assert missing == set(), sorted(missing)
 
 
-def test_origin_reads_runpath_and_needed_of_a_real_extension():
+def test_the_reader_finds_origin_dirs_of_a_real_extension():
     np = pytest.importorskip("numpy")
-    from mpistage.runtime.live import origin
+    from mpistage.runtime.live import reader
 
     ext = Path(np._core._multiarray_umath.__file__)
-    names, dirs = origin.origin_dirs(ext.read_bytes(), str(ext.parent))
+    names, dirs = reader.origin_dirs(ext.read_bytes(), str(ext.parent))
     assert any(n.startswith("libscipy_openblas") for n in names), names
     assert str(ext.parents[1].parent / "numpy.libs") in dirs, dirs
 
 
-def test_origin_needs_nothing_of_what_is_no_elf():
-    from mpistage.runtime.live import origin
+def test_what_is_no_elf_object_needs_nothing():
+    from mpistage.runtime.live import reader
 
-    assert origin.needs(b"#!/bin/sh\n") == ([], [])
-    assert origin.needs(b"\x7fELF" + bytes(60)) == ([], [])
+    assert reader.origin_dirs(b"#!/bin/sh\n", "/x") == ([], [])
+    assert reader.origin_dirs(b"\x7fELF" + bytes(60), "/x") == ([], [])
+    assert reader.origin_dirs(b"\x7fELF\x02\x01" + bytes(58), "/x") == ([], [])
+
+
+def test_origin_entries_of_a_run_path():
+    from mpistage.nodeelf import expand_origin
+
+    assert expand_origin("$ORIGIN/../x.libs", "/a/b") == "/a/x.libs"
+    assert expand_origin("${ORIGIN}/lib", "/a") == "/a/lib"
+    assert expand_origin("/usr/lib", "/a") is None
 
 
 def test_tree_of_leaders():

@@ -31,7 +31,7 @@ import os as _os
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
-from mpistage.nodeelf import elf_dynamic, shared_object
+from mpistage.nodeelf import elf_dynamic, mapped_names, origin_dirs, shared_object
 from mpistage.nodeimport import (
     FILES,
     RECORD,
@@ -363,28 +363,16 @@ class Copier:
         plan[path] = data
         if soname:
             self.sonames.add(soname)
-        dirs = self.search_dirs(runpath or "", _os.path.dirname(path))
+        try:
+            dirs = origin_dirs(runpath or "", _os.path.dirname(path))
+        except ValueError as exc:
+            raise Declined(str(exc)) from None
         for name in needed:
             if name in self.sonames or self.is_mapped(name) or "/" in name:
                 continue
             found = self.find(name, dirs)
             if found is not None and found not in plan and found not in self.taken:
                 self.closure(found, plan)
-
-    def search_dirs(self, runpath, origin):
-        """Return the ``$ORIGIN`` directories of a run path (others stay)."""
-        found = []
-        for entry in runpath.split(":"):
-            if not entry:
-                continue
-            if "$" in entry.replace("${ORIGIN}", "").replace("$ORIGIN", ""):
-                raise Declined(f"its run path {entry!r} names $LIB or $PLATFORM")
-            if entry.startswith(("$ORIGIN", "${ORIGIN}")):
-                rest = entry.split("}", 1)[1] if entry.startswith("${") else entry[7:]
-                found.append(_os.path.normpath(origin + rest))
-            elif not entry.startswith("/"):
-                raise Declined(f"its run path {entry!r} is relative to the cwd")
-        return found
 
     def find(self, name, dirs):
         """Return where the loader finds *name* among *dirs*, or None (elsewhere).
@@ -409,14 +397,7 @@ class Copier:
     def is_mapped(self, name):
         """Whether a library named *name* is mapped into this process already."""
         if self.mapped is None:
-            self.mapped = set()
-            try:
-                with open("/proc/self/maps") as f:
-                    for line in f:
-                        if "/" in line:
-                            self.mapped.add(line.rsplit("/", 1)[1].strip())
-            except OSError:
-                pass
+            self.mapped = mapped_names()
         return name in self.mapped
 
     def plan_plugins(self, folder, plan):

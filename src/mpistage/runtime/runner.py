@@ -217,6 +217,7 @@ class Runner:
         """
         if not live_wanted(self.world):
             return
+        preload(self.world, "mpistage", ("nodeelf",))  # the reader's ELF reader
         preload(self.world, "mpistage.runtime.live")  # read only when used
         from mpistage.runtime.live import LiveSession
 

@@ -15,7 +15,7 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
   the source (the source itself is stat'ed, not read: a rank needs it only
   for a traceback or ``inspect``, and fetches it then); otherwise the
   source. For an extension, also the libraries it needs from ``$ORIGIN``
-  directories (:mod:`~.origin`);
+  directories (:func:`origin_dirs`);
 - ``("f", path)``: one file: metadata, a resource, a source on demand.
 
 Everything is reached relative to directory descriptors opened once
@@ -30,6 +30,8 @@ the file cannot be read.
 """
 
 import os as _os
+
+from mpistage.nodeelf import elf_dynamic, expand_origin
 
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
@@ -101,8 +103,6 @@ class Reader:
 
     def extension(self, path, out):
         """Add an extension, after the libraries it needs from ``$ORIGIN``."""
-        from mpistage.runtime.live import origin
-
         if path in self.sent:
             return
         folder, name = _os.path.split(path)
@@ -112,7 +112,7 @@ class Reader:
         todo, seen = [(got[0], folder, [])], {path}
         while todo:
             data, where, inherited = todo.pop()
-            names, dirs = origin.origin_dirs(data, where)
+            names, dirs = origin_dirs(data, where)
             dirs = dirs + inherited  # the loader also searches its loaders' paths
             for needed in names:
                 lib = self.library(needed, dirs, out)
@@ -292,3 +292,23 @@ def bytecode_verdict(data, st):
         if flags == 0 and data[8:12] == mtime and data[12:16] == size
         else "stale"
     )
+
+
+def origin_dirs(data, folder):
+    """Return (needed names, ``$ORIGIN`` directories) of the ELF *data* in *folder*.
+
+    A wheel's extension finds the libraries auditwheel grafted beside it
+    (``numpy.libs/``) through a run path such as ``$ORIGIN/../numpy.libs``;
+    they must be in the node's copy at the same relative place. The run path
+    is ``DT_RUNPATH``, or ``DT_RPATH`` when there is none (the loader ignores
+    ``DT_RPATH`` then); other directories are searched in a rank as in plain
+    python. Anything that is not a 64-bit little-endian ELF object needs
+    nothing.
+    """
+    found = elf_dynamic(data)
+    if found is None:
+        return [], []
+    needed, runpath, rpath, _soname = found
+    entries = (runpath or rpath or "").split(":")
+    dirs = [expand_origin(e, folder) for e in entries if e]
+    return [n for n in needed if "/" not in n], [d for d in dirs if d]

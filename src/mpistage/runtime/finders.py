@@ -136,18 +136,7 @@ class StagedFinder(_FileFinder):
 
     def iter_modules(self, prefix=""):
         """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
-        yielded = set()
-        for entry in self.entries():
-            name = entry.rstrip("/")
-            module, package = module_name(name), False
-            if not module and entry.endswith("/") and "." not in name:
-                module, package = name, self.is_package(name)
-                if not package:
-                    continue
-            if module and module != "__init__" and "." not in module:
-                if module not in yielded:
-                    yielded.add(module)
-                    yield prefix + module, package
+        return listed_modules(self.entries(), self.is_package, prefix)
 
     def entries(self):
         """The directory's entries, directories ending in ``/``: listing or copy."""
@@ -171,6 +160,26 @@ class StagedFinder(_FileFinder):
         """Drop the cached directory listings of both finders."""
         for finder in self._finders.values():
             finder.invalidate_caches()
+
+
+def listed_modules(entries, is_package, prefix=""):
+    """Yield ``(name, ispkg)`` of a directory's *entries* as ``pkgutil`` does.
+
+    *entries* end in ``/`` for directories; ``is_package(name)`` says
+    whether the directory *name* holds an ``__init__`` module.
+    """
+    yielded = set()
+    for entry in entries:
+        name = entry.rstrip("/")
+        module, package = module_name(name), False
+        if not module and entry.endswith("/") and "." not in name:
+            module, package = name, is_package(name)
+            if not package:
+                continue
+        if module and module != "__init__" and "." not in module:
+            if module not in yielded:
+                yielded.add(module)
+                yield prefix + module, package
 
 
 def module_name(filename):

@@ -154,24 +154,13 @@ class LiveFinder(_FileFinder):
 
     def iter_modules(self, prefix=""):
         """Yield ``(name, ispkg)`` as ``pkgutil`` does, from the listings."""
-        from mpistage.runtime.finders import module_name
+        from mpistage.runtime.finders import listed_modules
 
         try:
             entries = self.live.listing(self.path) or ()
         except Unknown:
             entries = ()
-        yielded = set()
-        for entry in entries:
-            name = entry.rstrip("/")
-            module, package = module_name(name), False
-            if not module and entry.endswith("/") and "." not in name:
-                module, package = name, self.is_package(name)
-                if not package:
-                    continue
-            if module and module != "__init__" and "." not in module:
-                if module not in yielded:
-                    yielded.add(module)
-                    yield prefix + module, package
+        return listed_modules(entries, self.is_package, prefix)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module."""

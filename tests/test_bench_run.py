@@ -57,7 +57,7 @@ def realistic(tmp_path_factory):
     args = [
         *("-m", "mpistage", "bench", "run", "--workload", "generated"),
         *("--modules", "12", "--extensions", "1", "--ranks", "1,6", "--nodes", "2"),
-        *("--latency", "0", "--modes", "floor,plain,mpistage,staged-env"),
+        *("--latency", "0", "--modes", "floor,plain,mpistage,live,staged-env"),
         *("-o", str(out)),
     ]
     result = run([sys.executable, *args], env=clean_environ(), timeout=600)
@@ -103,6 +103,10 @@ def test_realistic_layout_counts_what_every_rank_pays(realistic):
     assert 0 < staged["ops_first"] <= floor + 200
     assert staged["ops_rank_max"] == staged["ops_first"]
     assert staged["ops_rank_median"] < floor / 2
+    # nothing prepared (live imports): the same per role, within 50
+    live = cell[("live", 6)]
+    assert 0 < live["ops_first"] <= staged["ops_first"] + 50
+    assert live["ops_rank_median"] <= staged["ops_rank_median"] + 50
     # the staged environment: a stage step per node, then nothing at all
     env = cell[("staged-env", 6)]
     assert env["ops_rank0"] == env["ops_rank_max"] == 0

@@ -78,8 +78,8 @@ def run_parser():
     p.add_argument(
         "--modes",
         default=None,
-        help="realistic: floor,plain,mpistage,mpistage-trust,staged-env,local "
-        "(default), mpistage-m, live, auto-first; packages: plain,mpistage,"
+        help="realistic: floor,plain,mpistage,mpistage-trust,live,staged-env,local "
+        "(default), mpistage-m, auto-first; packages: plain,mpistage,"
         "mpistage-trust,auto,live,auto-first,local,plain-env,staged-env "
         "(default plain,mpistage,local)",
     )
@@ -182,7 +182,7 @@ def parse_env(pairs):
 
 
 DEFAULT_MODES = {
-    "realistic": "floor,plain,mpistage,mpistage-trust,staged-env,local",
+    "realistic": "floor,plain,mpistage,mpistage-trust,live,staged-env,local",
     "packages": "plain,mpistage,local",
 }
 

@@ -134,7 +134,7 @@ class Plain(Mode):
     name = "plain"
 
 
-class Runner(Mode):
+class RunnerMode(Mode):
     """A run through the ``mpistage`` command, which writes a JSON report."""
 
     def env(self, testbed, nodes):
@@ -142,7 +142,7 @@ class Runner(Mode):
         return dict(super().env(testbed, nodes), MPISTAGE_REPORT=testbed.report_path)
 
 
-class Bundled(Runner):
+class Bundled(RunnerMode):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
@@ -214,7 +214,7 @@ class Auto(Bundled):
         return [testbed.layout.command, "--auto", "--cache-dir", self.cache]
 
 
-class Live(Runner):
+class Live(RunnerMode):
     """The runner with no bundle: imports served live."""
 
     name = "live"

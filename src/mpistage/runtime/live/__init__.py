@@ -93,12 +93,12 @@ class LiveSession:
         tag = topo.world.bcast(job_tag() if topo.world.rank == 0 else None, root=0)
 
         def on_leader():
-            from mpistage.runtime.live.mirror import Writer
+            from mpistage.runtime.live.mirror import CopyWriter
 
             if topo.is_leader:
                 place = JobPlace(tag, topo.index, self.session.keep)
                 self.root = place.make(None, NoFootprint())
-                self.writer = Writer(self.root)
+                self.writer = CopyWriter(self.root)
 
         attempt(topo.world, on_leader)
         self.copy_root = share(topo.node, self.root.path if self.root else None)

@@ -45,7 +45,7 @@ def copy_path(root, path):
     return f"{root}/{TREE}{path}" if path != "/" else f"{root}/{TREE}"
 
 
-class Writer:
+class CopyWriter:
     """The leader's side: writes pushed items into its node's copy."""
 
     def __init__(self, root):

@@ -8,7 +8,7 @@ Each node leader runs one thread (world rank 0's also holds the reader):
   push that carries it (its sequence number), and pushes what it read to
   every leader along a binary tree of leaders: each leader passes a push
   on to its children first, then writes it into its copy
-  (:class:`~.mirror.Writer`), so every file travels once to every node
+  (:class:`~.mirror.CopyWriter`), so every file travels once to every node
   and the reader sends each push to two leaders, not to all;
 - a key is answered once the push named in its acknowledgement has been
   written here, so an answer never overtakes the bytes it stands for.

@@ -220,3 +220,21 @@ def test_fields_round_trip_and_refuse_a_symlink(tmp_path):
         assert place.read_fields(fd, "link") == {}
     finally:
         os.close(fd)
+
+
+class FakeComm:
+    """The one attribute :func:`cleanup.say_failure` reads."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+
+def test_a_failure_inside_finalize_is_said_by_the_rank_it_hit(capsys):
+    cleanup.say_failure(FakeComm(4), RuntimeError("boom"))
+    assert capsys.readouterr().err == (
+        "mpistage: error: rank 4: internal error: RuntimeError: boom\n"
+    )
+    cleanup.say_failure(FakeComm(4), StageError("agreed"))  # rank 0 says those
+    assert capsys.readouterr().err == ""
+    cleanup.say_failure(FakeComm(0), StageError("agreed"))
+    assert capsys.readouterr().err == "mpistage: error: agreed\n"

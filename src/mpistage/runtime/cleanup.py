@@ -162,12 +162,7 @@ def at_finalize(func, comm):
         try:
             func()
         except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
-            from mpistage.runtime.collective import describe
-
-            if comm.rank == 0:
-                import sys
-
-                print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
+            say_failure(comm, exc)
             comm.Abort(1)
         return MPI.SUCCESS
 
@@ -366,3 +361,23 @@ def ascend(fd, trail):
         _os.close(parent)
         raise StageError("a directory being removed was moved away")
     return parent
+
+
+def say_failure(comm, exc):
+    """Print one line for a failure that ends the job from inside ``MPI_Finalize``.
+
+    An agreed error (:class:`~mpistage.StageError`) is the same on every
+    rank: rank 0 says it. Any other failure is this rank's own: it says it,
+    with its rank, so that the job never ends without a word.
+    """
+    import sys
+
+    from mpistage import StageError
+    from mpistage.runtime.collective import describe
+
+    if isinstance(exc, StageError):
+        if comm.rank == 0:
+            print(f"mpistage: error: {describe(exc)}", file=sys.stderr, flush=True)
+        return
+    line = f"mpistage: error: rank {comm.rank}: {describe(exc)}"
+    print(line, file=sys.stderr, flush=True)

@@ -203,3 +203,47 @@ def test_auto_ignores_mpistage_bundle_variable(tmp_path, stage_env, app):
     )
     assert need_report(result, facts)["auto"].startswith("recorded"), facts
     assert len(bundles(cache)) == 1
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Make a directory read-only for root too: a read-only bind mount of it."""
+    mounted = []
+
+    def make(folder):
+        if os.geteuid() != 0:
+            pytest.skip("a read-only bind mount needs root")
+        for args in (["--bind", folder, folder], ["-o", "remount,bind,ro", folder]):
+            subprocess.run(["mount", *map(str, args)], check=True)
+        mounted.append(folder)
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_cache_with_a_fresh_bundle_is_replayed(
+    tmp_path, stage_env, stage_dir, app, read_only
+):
+    script, env = app
+    cache = tmp_path / "cache"
+    options = ["--auto", "--cache-dir", cache, "--report"]
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    assert need_report(result, facts)["auto"].startswith("recorded"), result
+    (cached,) = bundles(cache)
+    read_only(cache)
+    assert not os.access(cache, os.W_OK)
+
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    facts = need_report(result, facts)
+    assert facts["auto"] == "replayed", facts
+    assert facts["modules"]["served"] > 0, facts
+    for res in results(stage_env, 2):
+        assert below(res["file"], stage_dir), res
+
+    # another target has no bundle there: learning it would need a write
+    other = write_target(tmp_path / "app" / "other.py", APP)
+    result, facts = replay(2, options, other, env, tmp_path / "r.json")
+    assert result.returncode != 0 and facts is None
+    assert "cannot write the --auto cache" in result.stderr
+    assert bundles(cache) == [cached]

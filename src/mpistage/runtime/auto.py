@@ -93,20 +93,26 @@ def ensure_writable(path):
 
 
 def read_cached(path, check):
-    """Rank 0: return (bytes, manifest, None) to replay, or a reason to record."""
+    """Rank 0: return (bytes, manifest, None) to replay, or a reason to record.
+
+    A cache that holds a fresh bundle is only read, so it may be read-only
+    (a bundle learned once, then shared). One that must take a new bundle
+    is checked writable first, before the program runs.
+    """
     from mpistage.runtime.read import read_checked
 
+    verdict = "no cached bundle"
+    if _os.path.exists(path):
+        try:
+            buf, manifest = read_checked(path)
+        except StageError as exc:
+            verdict = str(exc)
+        else:
+            verdict = check(manifest)
+            if not verdict:
+                return buf, manifest, None
     ensure_writable(path)
-    if not _os.path.exists(path):
-        return None, None, "recorded (no cached bundle)"
-    try:
-        buf, manifest = read_checked(path)
-    except StageError as exc:
-        return None, None, f"recorded ({exc})"
-    stale = check(manifest)
-    if stale:
-        return None, None, f"recorded ({stale})"
-    return buf, manifest, None
+    return None, None, f"recorded ({verdict})"
 
 
 def start_recording():

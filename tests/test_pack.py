@@ -134,6 +134,23 @@ def test_pack_directory_and_symlink(tmp_path):
     assert data[m["offset"] : m["offset"] + m["size"]] == b"\x00\x01" * 100
 
 
+def test_links_out_of_their_root_are_left_to_the_originals(tmp_path):
+    lib = tmp_path / "lib"
+    (lib / "pkg" / "bin").mkdir(parents=True)
+    (lib / "pkg" / "__init__.py").write_text("X = 1\n")
+    (lib / "pkg" / "bin" / "python3").symlink_to("/usr/bin/env")  # absolute
+    (lib / "pkg" / "bin" / "python").symlink_to("python3")  # through it
+    (lib / "pkg" / "up").symlink_to("../../elsewhere")  # climbs out
+    (lib / "pkg" / "alias.py").symlink_to("__init__.py")  # stays inside
+    out = pack(tmp_path / "lib.mpistage", "--path", lib, cwd=tmp_path)
+    manifest = read_manifest(out)  # the reader's checks accept it
+    members = {m["rel"]: m for m in manifest["members"]}
+    assert members["pkg/alias.py"]["type"] == "link"
+    for rel in ("pkg/bin/python3", "pkg/bin/python", "pkg/up"):
+        assert rel not in members
+    assert members["pkg/bin"]["partial"]  # the names left out go to the original
+
+
 def test_single_module_takes_only_its_own_pyc(tmp_path):
     site = tmp_path / "site"
     site.mkdir()

@@ -78,6 +78,7 @@ class Mode:
             self.env(testbed, nodes),
             self.name,
             ranks,
+            cwd=testbed.job_dir,
         )
         return start, testbed.fs.stats(), {"stage_s": self.stage_seconds(testbed)}
 
@@ -98,10 +99,15 @@ def clean_environ(extra):
     return env
 
 
-def run(command, env, name, ranks):
-    """Run one launch; raise with its stderr if it fails."""
+def run(command, env, name, ranks, cwd=None):
+    """Run one launch (in *cwd*); raise with its stderr if it fails."""
     done = _subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+        command,
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
     )
     if done.returncode:
         tail = done.stderr[-STDERR_TAIL:]

@@ -22,8 +22,9 @@ class Testbed:
         self.work = tempfile.mkdtemp(prefix=prefix)
         self.source = _os.path.join(self.work, "shared")
         self.mount = _os.path.join(self.work, "mnt")
-        _os.makedirs(self.source)
-        _os.makedirs(self.mount)
+        self.job_dir = _os.path.join(self.work, "job")  # where jobs start: empty
+        for folder in (self.source, self.mount, self.job_dir):
+            _os.makedirs(folder)
         self.mpiexec = find_mpiexec()
 
     def close(self):

@@ -165,6 +165,7 @@ def write(output, selection, fields):
 
     if not output.endswith(bundlefile.SUFFIX):
         raise StageError(f"bundle name {output!r} must end in {bundlefile.SUFFIX!r}")
+    drop_escaping_links(selection, fields.get("kind", "packages"))
     roots = [root_entry(selection, p) for p in selection.paths]
     manifest = {
         "kind": "packages",
@@ -217,6 +218,34 @@ def incomplete(selection, index, path):
         return False
     taken = selection.taken(selection.paths[index])
     return any(_os.path.join(path, name) not in taken for name in _os.listdir(path))
+
+
+def drop_escaping_links(selection, kind):
+    """Leave out the symlinks that lead out of their root, to the originals.
+
+    A bundle's link may only point inside its own root (the reader's rule,
+    :func:`~mpistage.runtime.bundlefile.check_links`): a venv's
+    ``bin/python`` → ``/usr/bin/python3`` may not be one. Such a name is
+    left to the original, as an excluded one is (its directory is then
+    held in part). Resolution follows the bundle's other links as the
+    reader's does.
+    """
+    entries = [{"dest": selection.dests[p]} if p in selection.dests else {}
+               for p in selection.paths]  # fmt: skip
+    bases = [bundlefile.base_of(entry, i) for i, entry in enumerate(entries)]
+    found, links = [], {}
+    for index, path, member in selection.records():
+        if member.data is None and _os.path.islink(member.source):
+            target = _os.readlink(member.source)
+            found.append((index, path, member.rel, target))
+            links["/".join(bases[index] + member.rel.split("/"))] = target
+    for index, rel, target in selection.links:
+        links["/".join(bases[index] + rel.split("/"))] = target
+    for index, path, rel, target in found:
+        base = bases[index] if kind == "packages" else []
+        parts = base + rel.split("/")
+        if not bundlefile.resolves_inside(parts[:-1], target, links, len(base)):
+            selection.drop(selection.paths[index], path)
 
 
 def root_entry(selection, root):

@@ -76,8 +76,11 @@ def bundle_path(args, folder=None):
     return _os.path.join(cache_dir(folder), f"{stem}-{key(args)}{SUFFIX}")
 
 
-def ensure_writable(path):
-    """Create the cache directory of *path* if needed; refuse one we cannot write."""
+def ensure_writable(path, why):
+    """Create the cache directory of *path* if needed; refuse one we cannot write.
+
+    *why* says why a bundle must be learned (``no cached bundle``, stale).
+    """
     folder = _os.path.dirname(path)
     try:
         _os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -87,8 +90,8 @@ def ensure_writable(path):
         ) from None
     if not _os.access(folder, _os.W_OK | _os.X_OK):
         raise StageError(
-            f"cannot write the --auto cache {folder!r}; give --cache-dir DIR "
-            "or MPISTAGE_CACHE_DIR"
+            f"cannot write the --auto cache {folder!r} ({why}); give "
+            "--cache-dir DIR or MPISTAGE_CACHE_DIR"
         )
 
 
@@ -111,7 +114,7 @@ def read_cached(path, check):
             verdict = check(manifest)
             if not verdict:
                 return buf, manifest, None
-    ensure_writable(path)
+    ensure_writable(path, verdict)
     return None, None, f"recorded ({verdict})"
 
 

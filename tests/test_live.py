@@ -6,6 +6,7 @@ or something that is not there, or that leave early, must not hang anyone.
 At 5 ranks, node 0 holds ranks 0-2 and node 1 ranks 3-4; rank 3 leads node 1.
 """
 
+import compileall
 import json
 import re
 import shutil
@@ -374,6 +375,45 @@ def test_first_auto_run_saves_what_was_served(tmp_path, env, stage_dir, ranks):
     assert facts["modules"]["served"] > 0 and facts["modules"]["missed"] == 0, facts
     read = results(dict(env), ranks)[min(3, ranks - 1)][0]
     assert below(read, stage_dir), read
+
+
+ADDED_LATER = """
+import sys
+sys.path.insert(0, {extra!r})
+import laterpkg.mod
+from mpi4py import MPI
+emit(laterpkg.mod.__file__)
+"""
+
+
+def test_first_auto_run_saves_modules_from_a_directory_added_later(
+    tmp_path, env, stage_dir
+):
+    # A directory the program puts on sys.path itself is not served live;
+    # what was imported from it still goes into the bundle the run saves.
+    extra = tmp_path / "later"
+    (extra / "laterpkg").mkdir(parents=True)
+    (extra / "laterpkg" / "__init__.py").write_text("")
+    (extra / "laterpkg" / "mod.py").write_text("X = 1\n")
+    compileall.compile_dir(extra, quiet=1)  # only the bytecode is read then
+    (tmp_path / "job").mkdir()
+    target = write_target(
+        tmp_path / "job" / "app.py", ADDED_LATER.format(extra=str(extra))
+    )
+    options = ["--auto", "--cache-dir", tmp_path / "cache"]
+    result, facts = replay(2, options, target, env, tmp_path / "r.json")
+    assert need_report(result, facts)["auto"].startswith("recorded"), result
+    (saved,) = (tmp_path / "cache").glob("*.mpistage")
+    rels = {m["rel"] for m in read_manifest(saved)["members"]}
+    assert {"laterpkg/__init__.py", "laterpkg/mod.py"} <= rels, rels
+
+    shutil.rmtree(Path(env["MPISTAGE_TEST_OUT"]))
+    Path(env["MPISTAGE_TEST_OUT"]).mkdir()
+    result, facts = replay(2, options, target, env, tmp_path / "r.json")
+    facts = need_report(result, facts)
+    assert facts["auto"] == "replayed", facts
+    assert facts["modules"]["missed"] == 0, facts
+    assert facts["modules"]["served"] >= 2, facts  # laterpkg and its mod
 
 
 def test_without_thread_multiple_the_job_runs_plain(tmp_path, env, site):

@@ -146,7 +146,7 @@ def save(comm, recorder, path, args, live=None):
     def usage():
         if live is None or live.mode != "live":
             return recorder.usage()
-        return live.usage(recorder.usage(modules=False))
+        return live.usage(recorder.usage(served=live.served_modules()))
 
     usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
     if comm.rank == 0:
@@ -204,18 +204,18 @@ class Recorder:
         path = _os.path.normpath(_os.path.abspath(path))
         (self.listed if kind == "listing" else self.paths).add(path)
 
-    def usage(self, modules=True):
+    def usage(self, served=()):
         """Stop recording; return what was used, as JSON-ready data.
 
-        Without *modules*, the loaded modules' files are not looked up (a
-        live run's reader knows them; looking costs a stat of each original).
+        The files of the modules loaded since recording started are looked
+        up, but those of *served* (modules a live run served: its reader
+        knows their files, and looking costs a stat of each original).
         """
         from mpistage.runtime.bundlefile import python_tag
 
         self.active = False
         paths = self.paths | mapped_files()
-        if modules:
-            paths |= module_files(self.preloaded)
+        paths |= module_files(self.preloaded | set(served))
         paths = originals(paths)
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
@@ -259,14 +259,20 @@ def finder_roots(entries):
 
 
 def module_files(skip=()):
-    """Return the source, bytecode and extension files of loaded modules."""
+    """Return the source, bytecode and extension files of loaded modules.
+
+    Nothing is looked up here (each rank would stat every original): the
+    bundle's builder keeps only the files that exist, once, on rank 0.
+    """
     found = set()
     for name, module in list(_sys.modules.items()):
         if name in skip:
             continue
         spec = getattr(module, "__spec__", None)
-        for path in (getattr(spec, "origin", None), getattr(spec, "cached", None)):
-            if path and _os.path.isabs(path) and _os.path.isfile(path):
+        if not getattr(spec, "has_location", False):
+            continue
+        for path in (spec.origin, getattr(spec, "cached", None)):
+            if path and _os.path.isabs(path):
                 found.add(_os.path.normpath(path))
     return found
 

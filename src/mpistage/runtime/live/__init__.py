@@ -346,6 +346,16 @@ class LiveSession:
         copies = {p: self.copy(p) for p in self.served if _os.path.isfile(self.copy(p))}
         return dict(found, files=sorted(files), listed=sorted(listed), copies=copies)
 
+    def served_modules(self):
+        """Return the names of the loaded modules whose source was served live."""
+        from mpistage.runtime.live.finder import LiveSourceLoader
+
+        return {
+            name
+            for name, module in list(_sys.modules.items())
+            if isinstance(getattr(module, "__loader__", None), LiveSourceLoader)
+        }
+
     def original(self, path):
         """Return the original of a path in this node's copy, else *path*.
 

@@ -124,3 +124,30 @@ def test_bench_data_on_two_nodes(tmp_path):
     shared = [r for r in rows if r["mode"] == "mpistage" and r["io"] == "posix"]
     # Only the readers touch the shared FS, each through its own node's mount.
     assert {r["readers"]: r["fs_processes"] for r in shared} == {1: 1, 2: 2}, rows
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--modes", "plain,nosuch"], "unknown mode ['nosuch']"),
+        (
+            [
+                "--layout",
+                "packages",
+                "--workload",
+                "generated",
+                "--modes",
+                "staged-env",
+            ],
+            "runs the numpy workload only",
+        ),
+    ],
+)
+def test_a_mode_that_cannot_run_is_one_line_before_anything_runs(tmp_path, args, words):
+    command = [sys.executable, "-m", "mpistage", "bench", "run", *args]
+    result = run([*command, "-o", str(tmp_path / "out")], env=clean_environ())
+    assert result.returncode == 1, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpistage: error:"), result
+    assert words in lines[0], result
+    assert not (tmp_path / "out").exists()

@@ -124,7 +124,9 @@ def cli_run(argv):
         raise StageError(reason)
     rows = []
     modes = parse_modes(args.modes, args.layout)
-    for workload in workloads(args):
+    chosen = workloads(args)
+    check_workloads(modes, args.layout, chosen)
+    for workload in chosen:
         rows += run_workload(
             workload,
             layout=args.layout,
@@ -151,6 +153,22 @@ def cli_run(argv):
     print(results.table(rows))
     print(f"\nwrote {args.out}/results.csv, results.json and results.png")
     return 0
+
+
+def check_workloads(modes, layout, chosen):
+    """Refuse, in one line, a mode that cannot run one of the *chosen* workloads."""
+    from mpistage import StageError
+    from mpistage.bench.modes import MODES
+
+    for name in modes:
+        only = getattr(MODES[layout][name], "workloads", None)
+        bad = [w.name for w in chosen if only and w.name not in only]
+        if bad:
+            raise StageError(
+                f"mode {name!r} of the {layout} layout runs the "
+                f"{', '.join(only)} workload only (its environment holds no "
+                f"other), not {bad[0]!r}"
+            )
 
 
 def workloads(args):

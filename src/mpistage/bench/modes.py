@@ -374,6 +374,7 @@ class PlainEnv(Mode):
 
     name = "plain-env"
     layouts = ("packages",)
+    workloads = ("numpy",)  # what the small environment holds
 
     def prepare(self, testbed):
         """Put a relocated copy of a small environment on the shared FS."""
@@ -403,6 +404,7 @@ class StagedSmallEnv(StagedEnv):
     """``staged-env`` of the small environment (packages layout)."""
 
     layouts = ("packages",)
+    workloads = ("numpy",)  # what the small environment holds
 
     def stager(self, testbed):
         """The packages layout stages with the local interpreter."""

@@ -2,7 +2,11 @@
 
 import csv
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -151,3 +155,28 @@ def test_a_mode_that_cannot_run_is_one_line_before_anything_runs(tmp_path, args,
     assert len(lines) == 1 and lines[0].startswith("mpistage: error:"), result
     assert words in lines[0], result
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_leaves_no_mount_and_no_tree(tmp_path):
+    # A time limit (SIGTERM) ends the bench as Ctrl-C does: it unmounts its
+    # simulated shared file system and removes its temporary trees.
+    args = ["--workload", "generated", "--modules", "12", "--extensions", "1"]
+    args += ["--ranks", "1,6", "--nodes", "2", "--repeat", "20", "--latency", "0"]
+    command = [sys.executable, "-m", "mpistage", "bench", "run", *args]
+    env = dict(clean_environ(), TMPDIR=str(tmp_path))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*command, "-o", str(out)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any(os.path.ismount(p) for p in tmp_path.glob("*/mnt")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(3)  # into the cells
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not any(os.path.ismount(p) for p in tmp_path.glob("*/mnt"))
+    assert not list(tmp_path.glob("mpistage-bench-*")), list(tmp_path.iterdir())

@@ -30,7 +30,22 @@ def main(argv):
         return 0 if argv[:1] in (["-h"], ["--help"]) else 1
     verb, rest = argv[0], argv[1:]
     module = importlib.import_module(VERBS[verb])
+    exit_on_term()
     return getattr(module, f"cli_{verb}")(rest)
+
+
+def exit_on_term():
+    """Let SIGTERM (a time limit, ``timeout``) end the bench as Ctrl-C does.
+
+    The bench then unwinds: the simulated file systems are unmounted and
+    the temporary trees removed, instead of mounts left behind.
+    """
+    import signal
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def run_parser():

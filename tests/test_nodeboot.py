@@ -222,7 +222,8 @@ def test_the_next_job_reaps_a_dead_first_ranks_place(tmp_path, audited, stage_di
     planted = plant(stage_dir, 4, 2, launch, dead_pid(), keep=False)
     env = dict(audited, FLUX_JOB_ID=launch)
     _, _, report = job(tmp_path, env, 4, 2)
-    assert len(report["start"]["first"]) == 2 and report["start"]["normal"] == []
+    start = report["start"]
+    assert len(start["first"]) == 2 and start["normal"] == [], start
     assert not any(p.exists() for p in planted) and places(stage_dir) == []
 
 

@@ -57,6 +57,7 @@ from mpistage.nodeimport import (
 
 WAIT = 300.0  # seconds a follower waits for the first rank of its node
 POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
+CLAIM_TRIES, CLAIM_PAUSE = 200, 0.005  # looks at a place of the same name, pause
 FAILED = "failed"  # the first rank's reason, when it could not finish
 PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
 ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
@@ -291,6 +292,7 @@ class Meeting:
         self.launch, self.name, self.path = launch, name, path
         self.candidate_fd, self.user_fd = candidate_fd, user_fd
         self.fd = self.root = None
+        self.made = False  # this rank made the place (it may remove it)
         self.seconds = WAIT  # how long a follower waits here
 
     @classmethod
@@ -335,30 +337,83 @@ class Meeting:
 
     def claim(self):
         """Create the place; return whether this rank is the first (then it owns it)."""
-        from mpistage.runtime.cleanup import guard, reap_dead_roots
-        from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
+        from mpistage.runtime.cleanup import reap_dead_roots
 
-        for again in (False, True):
-            # A dead launch's place of the same name may be going away under
-            # a sibling's reaping: look once more before following it.
+        for _ in range(CLAIM_TRIES):
             reap_dead_roots(self.candidate_fd)
             try:
-                _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
-                break
+                self.make()
+                return True
             except FileExistsError:
-                if again:
+                if self.to_follow():
                     return False
+                # A dead launch's place of the same name, going away under a
+                # sibling's reaping, or one a sibling is just making: look again.
+                _time.sleep(CLAIM_PAUSE)
+            except FileNotFoundError:
+                self.forget()  # a sibling's reaping of the dead place took ours
             except OSError as exc:
-                raise Declined(f"cannot make {self.path!r}: {exc.strerror}") from None
+                if self.made:
+                    self.give_back()
+                raise Declined(f"cannot use {self.path!r}: {exc.strerror}") from None
+        return False  # the follower's checks decide about what is there
+
+    def make(self):
+        """Make the place, guard it and write its owner record (the first rank)."""
+        from mpistage.runtime.cleanup import guard
+        from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
+
+        self.made = False
+        _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
+        self.made = True
+        self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
+        self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
+        guard(self.root)
+        write_owner(self.root, self.launch, kind="boot")
+
+    def to_follow(self):
+        """Whether the place that exists is one to follow rather than wait out.
+
+        It is, if a rank of this host that is alive owns it, and also if it
+        is not plainly ours (the follower's checks then refuse it in one
+        line). A place with no owner yet (a sibling is making it), or a dead
+        one's (being reaped), or gone already, is looked at again.
+        """
+        from mpistage.runtime.cleanup import alive
+        from mpistage.runtime.place import DIR_FLAGS, check_own, read_owner
+
         try:
-            self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
-            self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
-            guard(self.root)
-            write_owner(self.root, self.launch, kind="boot")
-        except OSError as exc:
-            self.give_back()
-            raise Declined(f"cannot use {self.path!r}: {exc.strerror}") from None
-        return True
+            fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            st = _os.fstat(fd)
+            check_own(st, self.path, True)
+            owner = read_owner(fd) if st.st_nlink else None
+        except StageError:
+            return True
+        except OSError:
+            return False
+        finally:
+            _os.close(fd)
+        here = bool(owner) and owner.get("host") == _os.uname().nodename
+        return here and alive(owner.get("pid"))
+
+    def forget(self):
+        """Let go of a place that is gone already: stop guarding, close, no removal.
+
+        Its name may be a sibling's new place by now.
+        """
+        from mpistage.runtime.cleanup import disarm
+
+        if self.root is not None:
+            disarm(self.root)
+            self.root.close()
+        elif self.fd is not None:
+            _os.close(self.fd)
+        self.root = self.fd = None
 
     def give_back(self):
         """Remove a place this rank made and cannot use (its followers see it go)."""

@@ -193,8 +193,8 @@ def reap_dead_roots(candidate_fd):
             continue
         try:
             check_own(_os.fstat(fd), name, True)
-            for dead in list(stale_roots(fd)):
-                remove_entry(fd, dead)
+            for name in sorted(_os.listdir(fd)):
+                remove_if_stale(fd, name)
         except (StageError, OSError):
             continue  # Not ours, or changing under us: `mpistage clean` remains.
         finally:
@@ -215,20 +215,43 @@ def stale_roots(fd, kept_too=False):
 
     Kept roots (``--keep``) count only with *kept_too* (``mpistage clean``).
     """
-    host = _os.uname().nodename
     for name in sorted(_os.listdir(fd)):
-        try:
-            root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
-        except OSError:
-            continue
-        try:
-            owner = read_owner(root_fd)
-        finally:
-            _os.close(root_fd)
-        if not owner or owner.get("host") != host or alive(owner.get("pid")):
-            continue
-        if kept_too or owner.get("keep") != "yes":
+        if stale_root(fd, name, kept_too) is not None:
             yield name
+
+
+def stale_root(fd, name, kept_too=False):
+    """Return the inode of the root *name* below *fd* if its job is dead here."""
+    try:
+        root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        ino, owner = _os.fstat(root_fd).st_ino, read_owner(root_fd)
+    finally:
+        _os.close(root_fd)
+    if not owner or owner.get("host") != _os.uname().nodename:
+        return None
+    if alive(owner.get("pid")) or not kept_too and owner.get("keep") == "yes":
+        return None
+    return ino
+
+
+def remove_if_stale(fd, name):
+    """Remove the root *name* if its job is dead, and it is still the one judged.
+
+    Ranks of one node reap at the same time: the name of a dead root one
+    of them removed may already be a new root of a live job, made since.
+    """
+    ino = stale_root(fd, name)
+    if ino is None:
+        return
+    try:
+        same = _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
+    except OSError:
+        return
+    if same:
+        remove_entry(fd, name)
 
 
 def alive(pid):
@@ -308,6 +331,8 @@ def remove_entry(parent_fd, name):
         # A rank still running wrote bytecode meanwhile: empty it again.
         fd = _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
         try:
+            if _os.fstat(fd).st_ino != trail[0].st_ino:
+                return  # a new directory of that name, made since: not ours to empty
             empty(fd)
         finally:
             _os.close(fd)

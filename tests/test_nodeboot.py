@@ -19,7 +19,7 @@ from pathlib import Path
 import mpi4py
 import pytest
 
-from mpistage import nodeboot, nodecopy
+from mpistage import nodecopy, nodeimport
 from mpistage.runtime.report import rank_list
 from stagetools import MPIEXEC, PYTHON, mpirun, run, uid_dir, write_target
 
@@ -141,7 +141,7 @@ def plant(stage_dir, ranks, nodes, launch, pid, keep=True):
         with pytest.MonkeyPatch.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
-            name = nodeboot.place_name()
+            name = nodeimport.place_name()
         place = uid_dir(stage_dir) / name
         place.mkdir(parents=True, mode=0o700)
         record = f"kind=boot\nhost={os.uname().nodename}\npid={pid}\njob=x\n"
@@ -343,14 +343,14 @@ def test_launch_names_from_the_launchers(monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE", "FLUX_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLUX_JOB_ID", "f1")
-    assert nodeboot.launch() == "flux-f1"
+    assert nodeimport.launch() == "flux-f1"
     monkeypatch.setenv("PMIX_NAMESPACE", "prterun-h-1@1")
-    assert nodeboot.launch() == "pmix-prterun-h-1@1"
+    assert nodeimport.launch() == "pmix-prterun-h-1@1"
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_STEP_ID", "3")
-    assert nodeboot.launch() == "slurm-42.3"
-    assert nodeboot.safe_name("pmix-prterun-h-1@1").startswith("pmix-prterun-h-1_1-")
-    assert nodeboot.safe_name("slurm-42.3") == "slurm-42.3"
+    assert nodeimport.launch() == "slurm-42.3"
+    assert nodeimport.safe_name("pmix-prterun-h-1@1").startswith("pmix-prterun-h-1_1-")
+    assert nodeimport.safe_name("slurm-42.3") == "slurm-42.3"
 
 
 def test_the_mpi_library_says_what_it_needs_and_where():

@@ -19,9 +19,10 @@ pays it:
 - any doubt means the *normal* import: correct, slower, and said in the
   report (:func:`facts`).
 
-A rank recognises its launch from the launcher (:func:`launch`): Slurm's job
-and step, PMIx's namespace, Flux's job, or for Hydra the
-``hydra_pmi_proxy`` it runs under (its pid and start time). Emulated nodes
+A rank recognises its launch from the launcher
+(:func:`~mpistage.nodeimport.launch`): Slurm's job and step, PMIx's
+namespace, Flux's job, or for Hydra the ``hydra_pmi_proxy`` it runs under
+(its pid and start time). Emulated nodes
 (``MPISTAGE_EMULATE_NODES``) meet at a place of their own each. The place
 is ``<candidate>/mpistage-<uid>/boot-<launch>.<node>`` in the first
 staging candidate that passes the safe-directory rules of
@@ -50,8 +51,9 @@ from mpistage.nodeimport import (
     RECORD,
     VERSION,
     Declined,
-    fnv1a,
     identity,
+    launch,
+    place_name,
     read_fd,
 )
 
@@ -59,11 +61,6 @@ WAIT = 300.0  # seconds a follower waits for the first rank of its node
 POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
 CLAIM_TRIES, CLAIM_PAUSE = 200, 0.005  # looks at a place of the same name, pause
 FAILED = "failed"  # the first rank's reason, when it could not finish
-PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
-ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-NAME_CHARS = frozenset(LETTERS + LETTERS.upper() + "0123456789._-")
-NAME_MAX = 96  # characters of a launch's name kept as they are
 RUNTIME = ("__init__", "place", "topology", "cleanup")  # read before MPI
 READ_FLAGS = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 
@@ -194,92 +191,6 @@ def wait_seconds():
     if not seconds >= 0:
         raise StageError(f"MPISTAGE_BOOT_WAIT={value!r} must be a number of seconds")
     return seconds
-
-
-# -- which launch, which node ------------------------------------------------------
-
-
-def launch():
-    """Name this launch as its launcher does, or ``None``: one name per launch."""
-    env = _os.environ
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    if env.get("PMIX_NAMESPACE"):
-        return "pmix-" + env["PMIX_NAMESPACE"]
-    if env.get("FLUX_JOB_ID"):
-        return "flux-" + env["FLUX_JOB_ID"]
-    proxy = launcher_proxy()
-    return f"hydra-{proxy[0]}-{proxy[1]}" if proxy else None
-
-
-def launcher_proxy():
-    """Return (pid, start time) of the launcher proxy this rank runs under, or None.
-
-    Hydra starts the ranks of a node as children of one ``hydra_pmi_proxy``
-    (perhaps through a wrapper such as ``sh -c``); its pid and its start
-    time, in clock ticks since boot, name it uniquely on the node.
-    """
-    pid = _os.getppid()
-    for _level in range(ANCESTORS):
-        found = proc_stat(pid)
-        if found is None:
-            return None
-        comm, ppid, started = found
-        if comm in PROXIES:
-            return pid, started
-        if ppid <= 1:
-            return None
-        pid = ppid
-    return None
-
-
-def proc_stat(pid):
-    """Return (command name, parent pid, start time) of process *pid*, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    comm = text[text.find("(") + 1 : text.rfind(")")]
-    fields = text[text.rfind(")") + 2 :].split()
-    try:
-        return comm, int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def node_word():
-    """Name this rank's node within the launch: host, Slurm node, emulated node."""
-    from mpistage.runtime.topology import (
-        SIZE_VARS,
-        emulated_nodes,
-        launcher_rank,
-        launcher_value,
-    )
-
-    word = _os.uname().nodename.split(".")[0]
-    if _os.environ.get("SLURM_NODEID", "").isdigit():
-        word += ".s" + _os.environ["SLURM_NODEID"]
-    size = launcher_value(SIZE_VARS, "1")
-    size = int(size) if size.isdigit() and int(size) > 0 else 1
-    count = emulated_nodes(size)
-    if count:
-        word += f".e{launcher_rank() * count // size}"
-    return word
-
-
-def place_name(name=None):
-    """Return the name of this rank's meeting place (for the launch *name*)."""
-    name = launch() if name is None else name
-    return f"boot-{safe_name(name)}.{safe_name(node_word())}"
-
-
-def safe_name(text):
-    """Return *text* as a file name: odd characters and excess length hashed."""
-    kept = "".join(c if c in NAME_CHARS else "_" for c in text)
-    if kept == text and len(text) <= NAME_MAX:
-        return text
-    return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
 
 
 # -- the meeting place ---------------------------------------------------------------

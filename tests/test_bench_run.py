@@ -1,6 +1,7 @@
 """`mpistage bench run` end to end, tiny: files, columns, and what they show."""
 
 import csv
+import glob
 import json
 import os
 import signal
@@ -165,6 +166,7 @@ def test_sigterm_leaves_no_mount_and_no_tree(tmp_path):
     command = [sys.executable, "-m", "mpistage", "bench", "run", *args]
     env = dict(clean_environ(), TMPDIR=str(tmp_path))
     out = tmp_path / "out"
+    local = set(glob.glob("/dev/shm/mpistage-bench-local-*"))  # node-local trees
     proc = subprocess.Popen([*command, "-o", str(out)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -180,3 +182,4 @@ def test_sigterm_leaves_no_mount_and_no_tree(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert not any(os.path.ismount(p) for p in tmp_path.glob("*/mnt"))
     assert not list(tmp_path.glob("mpistage-bench-*")), list(tmp_path.iterdir())
+    assert set(glob.glob("/dev/shm/mpistage-bench-local-*")) <= local

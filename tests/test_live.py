@@ -416,6 +416,28 @@ def test_first_auto_run_saves_modules_from_a_directory_added_later(
     assert facts["modules"]["served"] >= 2, facts  # laterpkg and its mod
 
 
+def test_first_auto_run_records_no_file_of_the_working_directory_it_never_read(
+    tmp_path, env
+):
+    # The reader opens files relative to directory descriptors; a name such
+    # as ``__init__.py`` is not a file of the working directory (a root, with
+    # ``-c``), and the saved bundle must not take the one that is there.
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "__init__.py").write_text("raise SystemExit('not this one')\n")
+    (job / "sub.py").write_text("raise SystemExit('nor this one')\n")
+    code = "import livepkg.sub"
+    options = ["--auto", "--cache-dir", tmp_path / "cache"]
+    result, facts = replay(2, options, "-c", env, tmp_path / "r.json", cwd=job,
+                           args=[code])  # fmt: skip
+    assert need_report(result, facts)["auto"].startswith("recorded"), result
+    (saved,) = (tmp_path / "cache").glob("*.mpistage")
+    manifest = read_manifest(saved)
+    job_root = [i for i, r in enumerate(manifest["roots"]) if r["path"] == str(job)]
+    taken = {m["rel"] for m in manifest["members"] if m["root"] in job_root}
+    assert not taken & {"__init__.py", "sub.py"}, taken
+
+
 def test_without_thread_multiple_the_job_runs_plain(tmp_path, env, site):
     env = dict(env, MPI4PY_RC_THREAD_LEVEL="serialized")
     target = write_target(tmp_path / "one.py", ONLY_ONE)

@@ -199,7 +199,7 @@ class Recorder:
         if not self.active:
             return
         kind, path = read_of(event, args)
-        if kind is None or (kind == "listing" and by_import_system()):
+        if kind is None or (kind == "listing" and by_import_system()) or by_us():
             return
         path = _os.path.normpath(_os.path.abspath(path))
         (self.listed if kind == "listing" else self.paths).add(path)
@@ -234,6 +234,22 @@ def by_import_system():
     except ValueError:
         return False
     return frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def by_us():
+    """Whether the audited call came from mpistage's own code, not the program's.
+
+    The live reader opens files relative to directory descriptors: the
+    audit event names them relative, without the descriptor.
+    """
+    try:
+        frame = _sys._getframe(2)
+    except ValueError:
+        return False
+    return frame.f_code.co_filename.startswith(OWN_CODE)
+
+
+OWN_CODE = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))) + _os.sep
 
 
 def finder_roots(entries):

@@ -1,18 +1,26 @@
-"""Rules of live imports that need no MPI job: the relay never imports.
+"""Rules of serving imports that need no MPI job.
 
-Python runs every finder with its global import lock held, so a rank's
-import can wait, lock in hand, for its leader's relay thread; a first import
-in that thread would then wait for the lock for ever (a hang seen once in
-thirty runs before the rule). Every module the thread's code imports must
-be in ``relay.NEEDS``, imported before the thread starts.
+- The relay never imports. Python runs every finder with its global import
+  lock held, so a rank's import can wait, lock in hand, for its leader's
+  relay thread; a first import in that thread would then wait for the lock
+  for ever (a hang seen once in thirty runs before the rule). Every module
+  the thread's code imports must be in ``relay.NEEDS``, imported before the
+  thread starts.
+- Nothing the finders, the request path or the runner need is imported
+  through the finders: it is in ``finders.SERVING`` (or the live package's
+  own), imported before they are installed. With an mpi4py built from
+  source, which does not load ``importlib.util`` itself, a finder that
+  imported it lazily saw it half-initialized and the job aborted.
 """
 
 import ast
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
 
+from mpistage.runtime import finders
 from mpistage.runtime.live import relay
 
 THREAD_MODULES = (
@@ -44,12 +52,53 @@ def lazy_imports(module):
 LOADED = {
     "_thread",
     "importlib",
+    "importlib.machinery",
     "mpi4py",
     "mpistage.runtime",
     "mpistage.runtime.live",
     "os",
     "sys",
 }
+
+
+# Modules of the finders, the request path and the runner, used while serving.
+SERVING_MODULES = (
+    "finders",
+    "activate",
+    "live",
+    "live.finder",
+    "live.request",
+    "live.mirror",
+    "runner",
+)
+# Imported by whoever calls the finder method that imports them:
+# find_distributions is called by importlib.metadata, get_resource_reader by
+# importlib.resources, and both import pathlib.
+CALLER_LOADED = {
+    "importlib.abc",
+    "importlib.metadata",
+    "importlib.resources.abc",
+    "importlib.resources.readers",
+    "pathlib",
+}
+# runpy: the runner imports it before the finders come, when the target is -m.
+RUNNER = {"runpy"}
+
+
+@pytest.mark.parametrize("name", SERVING_MODULES)
+def test_what_serving_imports_is_imported_before_the_finders_come(name):
+    module = importlib.import_module(f"mpistage.runtime.{name}")
+    used = {m for m in lazy_imports(module) if not m.startswith("mpistage")}
+    ready = set(finders.SERVING) | set(sys.builtin_module_names) | LOADED
+    missing = used - ready - CALLER_LOADED - RUNNER
+    assert missing == set(), sorted(missing)
+
+
+def test_no_finder_imports_importlib_util():
+    """``importlib.util`` is the module a finder would see half-initialized."""
+    for name in SERVING_MODULES + THREAD_MODULES:
+        module = importlib.import_module(f"mpistage.runtime.{name}")
+        assert "importlib.util" not in lazy_imports(module), name
 
 
 @pytest.mark.parametrize("name", THREAD_MODULES)

@@ -106,11 +106,13 @@ def activate(staged, children=True):
 
     from mpistage.runtime.finders import (
         StagedHook,
+        import_serving,
         install_metadata_finder,
         register_pkgutil,
         wrap_meta_finders,
     )
 
+    import_serving()
     roots = roots_of(staged)
     finders, partial = finders_of(roots)
     hook = StagedHook(finders, partial)

@@ -36,8 +36,40 @@ editable installs, load what they find in a bundled tree from the copy).
 
 import os as _os
 import sys as _sys
+
+# The import system's helpers, from its frozen core rather than
+# ``importlib.util``: not every Python has that loaded at start-up (an mpi4py
+# built from source does not import it), and importing it would pass through
+# these very finders while they need it.
+from _frozen_importlib_external import (  # noqa: F401  (one home, see SERVING)
+    MAGIC_NUMBER,
+    cache_from_source,
+    spec_from_file_location,
+)
 from importlib.machinery import FileFinder as _FileFinder
 from importlib.machinery import SourceFileLoader as _SourceFileLoader
+
+# What mpistage's finders (bundled and live), the live request path and the
+# runner use while they serve imports. It is imported before any of them is
+# installed: an import of theirs that passed through the finders themselves
+# would find a module they need half-initialized (``cannot import name ...
+# from partially initialized module``). tests/test_live_rules.py parses the
+# serving modules to keep the list whole.
+SERVING = (
+    "pickle",
+    "time",
+    "types",
+    "mpistage.runtime.roots",
+    "mpistage.runtime.finders",
+)
+
+
+def import_serving(names=SERVING):
+    """Import what serving imports needs, before any finder is installed."""
+    import importlib
+
+    for name in names:
+        importlib.import_module(name)
 
 
 class BundledRoot:
@@ -193,9 +225,13 @@ def module_name(filename):
 
 
 def regular_finder(path):
-    """Return the finder the standard path hooks give *path*."""
+    """Return the finder the standard path hooks give *path*.
+
+    Every hook of mpistage is skipped (bundled and live ones): the regular
+    finder is what reads the originals when a copy cannot serve.
+    """
     for hook in _sys.path_hooks:
-        if not isinstance(hook, StagedHook):
+        if not getattr(hook, "mpistage_hook", False):
             try:
                 return hook(path)
             except ImportError:
@@ -210,6 +246,8 @@ class StagedHook:
     ``__path__`` may point to the original) and, for packages the bundle
     holds in part, their directories in the staged copy.
     """
+
+    mpistage_hook = True  # not a regular hook (regular_finder)
 
     def __init__(self, finders, partial=None):
         self.finders, self.partial = finders, partial or {}
@@ -267,8 +305,6 @@ class TransparentLoader(_SourceFileLoader):
 
 def transparent_spec(spec, root):
     """Return *spec* (found in the staged copy) with original paths."""
-    from importlib.util import spec_from_file_location
-
     original = root.path + spec.origin[len(root.staged) :]
     locations = None
     if spec.submodule_search_locations is not None:
@@ -410,8 +446,6 @@ class RedirectFinder:
 
 def staged_spec(spec, roots):
     """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
-    from importlib.util import spec_from_file_location
-
     for root in roots.values():
         if root.staged and spec.origin.startswith(root.path + _os.sep):
             copy = root.staged + spec.origin[len(root.path) :]

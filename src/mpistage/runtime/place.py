@@ -45,6 +45,20 @@ def flag(name, default):
     raise StageError(f"{name}={value!r} must be one of yes/no/on/off/1/0")
 
 
+def seconds(name, default):
+    """Read a number of seconds from the environment; reject anything else."""
+    value = _os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        found = float(value)
+    except ValueError:
+        found = -1.0
+    if not found >= 0:
+        raise StageError(f"{name}={value!r} must be a number of seconds")
+    return found
+
+
 def candidates():
     """Return the staging candidates in order of preference."""
     found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)

@@ -170,11 +170,13 @@ def live_summary(mode, ranks):
     """Sum the live-import figures of all ranks (``None`` without live imports)."""
     if mode is None:
         return None
-    summary = {"mode": mode}
-    for facts in (r.get("live") or {} for r in ranks):
+    summary = {"mode": mode, "late_ranks": []}
+    for rank, facts in enumerate(r.get("live") or {} for r in ranks):
         for key, value in facts.items():
             if key != "mode":
-                summary[key] = summary.get(key, 0) + value
+                summary[key] = summary.get(key, type(value)()) + value
+        if facts.get("late"):
+            summary["late_ranks"].append(rank)
     return summary
 
 
@@ -216,6 +218,19 @@ def live_line(live):
         f"listings; {live.get('requests', 0)} requests, "
         f"{live.get('relay_forwarded', 0)} forwarded to rank 0, "
         f"{live.get('fallbacks', 0)} read from originals"
+    ) + late_line(live)
+
+
+def late_line(live):
+    """Say which requests went unanswered in time, if any (a line of its own)."""
+    if not live.get("late"):
+        return ""
+    ranks, names = live.get("late_ranks", []), live.get("late_keys", [])
+    shown = ", ".join(dict.fromkeys(names[:SHOWN]))
+    return (
+        f"\n  live imports: {live['late']} requests unanswered in time on "
+        f"ranks {ranks} (MPISTAGE_LIVE_WAIT); imported from the originals "
+        f"instead: {shown}"
     )
 
 

@@ -39,7 +39,9 @@ options:
 
 environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
 MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
-MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle).
+MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle),
+MPISTAGE_LIVE_WAIT (seconds a live request waits, default 5),
+MPISTAGE_BOOT=no, MPISTAGE_BOOT_WAIT (seconds, default 300).
 
 tools: mpistage {%s} --help"""
 
@@ -140,6 +142,7 @@ class Runner:
         self.seconds["topology"] = _time.perf_counter() - begun
         bundle = self.auto_bundle() if self.options.auto else self.options.bundle
         self.session = self.new_session(bundle, topology)
+        import_runpy(self.args)
         if self.options.auto:
             self.start_auto()
         elif bundle:
@@ -329,13 +332,13 @@ def exit_status(exc):
 
 def run_command_line(args):
     """Run ``app.py | -m mod | -c code`` with *args* as ``sys.argv``."""
-    import runpy
-
     _sys.argv[:] = args
     if args[0] == "-c":
         code = compile(_sys.argv.pop(1), "<string>", "exec", 0, True)
-        runpy._run_module_code(code, None, "__main__", script_name="-c")
+        run_main(code, None)
     elif args[0] == "-m":
+        import runpy  # imported before the finders came (see import_runpy)
+
         del _sys.argv[0]
         runpy.run_module(_sys.argv[0], run_name="__main__", alter_sys=True)
     else:
@@ -343,17 +346,27 @@ def run_command_line(args):
         run_script(args[0])
 
 
-def run_script(path):
-    """Run the script *path* as ``__main__``, as ``runpy.run_path`` does.
+def import_runpy(args):
+    """Import ``runpy`` now if the target needs it: before any finder is in place.
 
-    A source file is compiled and run here: ``run_path`` imports ``pkgutil``
-    (and with it ``typing`` and ``weakref``) first, which plain ``python
-    app.py`` does not, and the program must find in ``sys.modules`` what
-    plain python leaves there. Compiled files, directories and zip files
-    go to ``run_path``.
+    ``runpy`` imports ``importlib.util``, which a finder of mpistage would
+    otherwise see half-initialized. Scripts and ``-c`` code run without it,
+    as with plain python, which leaves no ``runpy`` in ``sys.modules``.
     """
-    import runpy
-    from importlib.util import MAGIC_NUMBER
+    if args[0] == "-m":
+        import runpy  # noqa: F401
+
+
+def run_script(path):
+    """Run the script *path* as ``__main__``, as plain ``python app.py`` does.
+
+    A source file is compiled and run here: ``runpy.run_path`` imports
+    ``pkgutil`` (and with it ``typing`` and ``weakref``) first, which plain
+    ``python app.py`` does not, and the program must find in ``sys.modules``
+    what plain python leaves there. Compiled files, directories and zip
+    files go to ``run_path``.
+    """
+    from mpistage.runtime.finders import MAGIC_NUMBER
 
     try:
         with open(path, "rb") as f:
@@ -361,10 +374,34 @@ def run_script(path):
     except OSError:
         source = None
     if source is None or source[:4] == MAGIC_NUMBER or is_zip(source):
+        import runpy
+
         runpy.run_path(path, run_name="__main__")
         return
-    code = compile(source, path, "exec", dont_inherit=True)
-    runpy._run_module_code(code, None, "__main__", pkg_name="", script_name=path)
+    run_main(compile(source, path, "exec", dont_inherit=True), path)
+
+
+def run_main(code, path):
+    """Run *code* as the module ``__main__`` (of the file *path*, if any).
+
+    As ``runpy`` does it: a fresh module stands in ``sys.modules`` while the
+    code runs, and ``sys.argv[0]`` names the file.
+    """
+    main = type(_sys)("__main__")
+    main.__dict__.update(__loader__=None, __package__=None, __spec__=None)
+    if path is not None:
+        main.__dict__.update(__file__=path, __cached__=None)
+    saved, argv0 = _sys.modules.get("__main__"), _sys.argv[0]
+    _sys.modules["__main__"] = main
+    _sys.argv[0] = path or "-c"
+    try:
+        exec(code, main.__dict__)
+    finally:
+        _sys.argv[0] = argv0
+        if saved is None:
+            del _sys.modules["__main__"]
+        else:
+            _sys.modules["__main__"] = saved
 
 
 def is_zip(data):

@@ -22,6 +22,14 @@ import sys as _sys
 from mpistage import StageError
 from mpistage.runtime.collective import attempt, barrier
 
+# What a rank's finder and request path use besides the finders' own needs
+# (:data:`~mpistage.runtime.finders.SERVING`); imported before installing.
+SERVING = (
+    "mpistage.runtime.live.finder",
+    "mpistage.runtime.live.mirror",
+    "mpistage.runtime.live.request",
+)
+
 
 class NoFootprint:
     """A live copy starts empty: only the root needs room."""
@@ -44,7 +52,9 @@ class LiveSession:
         self.comms = ()
         self.closed, self.pid, self.generation = False, _os.getpid(), 0
         self.fresh = {}  # directory: the cache reset its listing was read after
-        self.counts = {"requests": 0, "fallbacks": 0}
+        self.counts = {"requests": 0, "fallbacks": 0, "late": 0}
+        self.late = []  # the first keys that went unanswered in time
+        self.wait = None  # seconds a request waits (MPISTAGE_LIVE_WAIT)
         self.served = []  # the reader's files, for --auto
 
     # -- start ---------------------------------------------------------------
@@ -58,6 +68,7 @@ class LiveSession:
             if topo.world.rank == 0:
                 print(f"mpistage: {why}", file=_sys.stderr, flush=True)
             return False
+        self.wait = attempt(topo.world, wait_seconds)
         self.comms = (topo.world.Dup(), topo.world.Dup())
         try:
             self.place(topo)
@@ -118,9 +129,9 @@ class LiveSession:
         if world.rank == 0:
             self.client = request.ReaderClient(self.relay)
         elif topo.is_leader:
-            self.client = request.LeaderClient(self.relay)
+            self.client = request.LeaderClient(self.relay, self.wait)
         else:
-            self.client = request.RankClient(serve, reply, leader)
+            self.client = request.RankClient(serve, reply, leader, self.wait)
         self.listings = Listings(self.copy_root)
 
     def make_relay(self, topo, leaders):
@@ -136,8 +147,10 @@ class LiveSession:
         """Serve imports live: the path hook, distributions, no stale finders."""
         import importlib.machinery
 
+        from mpistage.runtime import finders
         from mpistage.runtime.live import finder as livefinder
 
+        finders.import_serving(finders.SERVING + SERVING)
         self.roots = served_roots(self.args)
         hook = livefinder.LiveHook(self)
         _sys.path_hooks.insert(0, hook)
@@ -191,8 +204,11 @@ class LiveSession:
 
     def refresh(self, path):
         """Ask for a listing of *path* read after the last cache reset."""
+        from mpistage.runtime.live.finder import Unknown
+
         rank = self.session.topology.world.rank
-        self.need(("r", path, rank, self.generation))
+        if self.need(("r", path, rank, self.generation)) is not None:
+            raise Unknown(path)  # no fresh listing: the regular finder looks
         self.fresh[path] = self.generation
         self.listings.get(path, fresh=True)
 
@@ -216,7 +232,7 @@ class LiveSession:
     def present(self, kind, path):
         """Whether the node's copy holds the module file(s) of *path*."""
         if kind == "source":
-            from importlib.util import cache_from_source
+            from mpistage.runtime.finders import cache_from_source
 
             if _os.path.exists(self.copy(cache_from_source(path))):
                 return True
@@ -233,9 +249,20 @@ class LiveSession:
         return copy
 
     def need(self, key):
-        """Ask along the request path until the node's copy answers *key*."""
+        """Ask along the request path until the node's copy answers *key*.
+
+        Returns ``None`` when it does; ``"late"`` or ``"closed"`` when the
+        caller must read the original instead (:mod:`~.request`).
+        """
+        from mpistage.runtime.live.request import LATE
+
         self.counts["requests"] += 1
-        return self.client.need(key)
+        result = self.client.need(key)
+        if result == LATE:
+            self.counts["late"] += 1
+            if len(self.late) < LATE_SHOWN:
+                self.late.append(key_name(key))
+        return result
 
     # -- the end -------------------------------------------------------------
 
@@ -324,7 +351,7 @@ class LiveSession:
 
     def facts(self):
         """Return this rank's figures for the report."""
-        facts = {"mode": self.mode, **self.counts}
+        facts = {"mode": self.mode, **self.counts, "late_keys": self.late}
         if self.relay is not None:
             facts.update({f"relay_{k}": v for k, v in self.relay.counts.items()})
             if self.relay.reader is not None:
@@ -367,6 +394,24 @@ class LiveSession:
             return path
         head = f"{self.copy_root}/{TREE}/"
         return path[len(head) - 1 :] if path.startswith(head) else None
+
+
+LATE_SHOWN = 5  # late keys a rank names in the report
+
+
+def wait_seconds():
+    """How long a request waits for its answer (``MPISTAGE_LIVE_WAIT``)."""
+    from mpistage.runtime.live.request import WAIT
+    from mpistage.runtime.place import seconds
+
+    return seconds("MPISTAGE_LIVE_WAIT", WAIT)
+
+
+def key_name(key):
+    """Name what a request asked for: a module, a listing or a file."""
+    if key[0] == "m":
+        return f"{key[1]}/{key[2]}"
+    return key[1]
 
 
 def served_roots(args):

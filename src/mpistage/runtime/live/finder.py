@@ -80,6 +80,8 @@ def locate(listing_of, folder, name):
 class LiveHook:
     """A path hook handing out a :class:`LiveFinder` for served directories."""
 
+    mpistage_hook = True  # not a regular hook (finders.regular_finder)
+
     def __init__(self, live):
         self.live = live
 
@@ -181,7 +183,8 @@ class LiveFinder(_FileFinder):
 def live_spec(fullname, kind, path, search, live):
     """Return the spec that loads *path* (an original) from the node's copy."""
     from importlib.machinery import ExtensionFileLoader, SourcelessFileLoader
-    from importlib.util import spec_from_file_location
+
+    from mpistage.runtime.finders import spec_from_file_location
 
     if kind == "source":
         loader = LiveSourceLoader(fullname, path, live)
@@ -224,7 +227,7 @@ class LiveSourceLoader(_SourceFileLoader):
 
     def path_stats(self, path):
         """The source's stamp: the valid bytecode's, else the copied source's."""
-        from importlib.util import cache_from_source
+        from mpistage.runtime.finders import cache_from_source
 
         stamp = bytecode_stamp(self.live.copy(cache_from_source(path)))
         if stamp is not None:
@@ -245,7 +248,7 @@ class LiveSourceLoader(_SourceFileLoader):
 
 def bytecode_stamp(path):
     """Return the source stamp a timestamp ``.pyc`` at *path* holds, or ``None``."""
-    from importlib.util import MAGIC_NUMBER
+    from mpistage.runtime.finders import MAGIC_NUMBER
 
     try:
         with open(path, "rb") as f:

@@ -82,7 +82,7 @@ class Reader:
 
     def source(self, path, out):
         """Add the valid bytecode of the source *path*, else the source."""
-        from importlib.util import cache_from_source
+        from mpistage.runtime.finders import cache_from_source
 
         cached = cache_from_source(path)
         if path in self.sent or cached in self.sent:
@@ -278,7 +278,7 @@ def bytecode_verdict(data, st):
     ``hash``: hash-based (the ranks need the source to check it, or not:
     both are sent); ``stale``: missing or not for this source.
     """
-    from importlib.util import MAGIC_NUMBER
+    from mpistage.runtime.finders import MAGIC_NUMBER
 
     if not data or len(data) < 16 or data[:4] != MAGIC_NUMBER:
         return "stale"

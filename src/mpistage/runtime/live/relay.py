@@ -45,7 +45,7 @@ NEEDS = (  # imported before the thread starts (see above)
     "stat",
     "struct",
     "time",
-    "importlib.util",
+    "mpistage.runtime.finders",
     "mpistage.nodeelf",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",

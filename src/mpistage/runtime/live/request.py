@@ -15,8 +15,17 @@ Three kinds of process ask three ways, behind one :meth:`need`:
   polls for the answer on the reply communicator, with a tag of its own
   per request, so that threads of one rank can ask at the same time.
 
-Every request ends: with the answer, or with ``"closed"`` once the live
-session has ended (the caller then imports the plain way).
+Every request ends, and within a bound: with the answer, with ``"closed"``
+once the live session has ended, or with ``"late"`` when no answer came
+within :data:`WAIT` seconds (``MPISTAGE_LIVE_WAIT``). The caller then
+imports the plain way, from the originals: correct, only slower. A late
+answer is not waited for: the answering thread (the leader's relay, the
+reader on rank 0) runs only when its rank's main thread lets go of the GIL,
+and a program or C extension may block in MPI holding it (mpi4py's first
+lowercase reduction on a new communicator does), until this very rank
+reaches the same call. After one late request the rank asks nothing more
+until that answer has come (it imports the plain way meanwhile), so a
+stalled reader costs a rank one wait, not one per import.
 """
 
 import _thread
@@ -24,6 +33,8 @@ import _thread
 REQUEST, FORWARD, ACK, PUSH, BYE, END = range(1, 7)
 FIRST_REPLY = 16  # reply tags are FIRST_REPLY .. MPI_TAG_UB
 CLOSED = "closed"
+LATE = "late"
+WAIT = 5.0  # seconds a rank waits for an answer (MPISTAGE_LIVE_WAIT)
 POLL_MIN, POLL_MAX = 0.00002, 0.001  # seconds between polls for an answer
 
 
@@ -58,16 +69,28 @@ class ReaderClient:
 
 
 class LeaderClient:
-    """A node leader: its relay thread takes the key; this thread waits."""
+    """A node leader: its relay thread takes the key; this thread waits, bounded."""
 
-    def __init__(self, relay):
-        self.relay = relay
+    def __init__(self, relay, wait=WAIT):
+        self.relay, self.wait, self.overdue = relay, wait, []
+        self.lock = _thread.allocate_lock()
 
     def need(self, key):
-        """Return ``None`` once the node's copy answers *key*, or ``"closed"``."""
+        """Return ``None`` once the node's copy answers *key*; or why not."""
+        if not self.caught_up():
+            return LATE
         waiter = self.relay.submit(key)
-        waiter.done.acquire()
-        return waiter.result
+        if waiter.done.acquire(timeout=self.wait):
+            return waiter.result
+        with self.lock:
+            self.overdue.append(waiter)
+        return LATE
+
+    def caught_up(self):
+        """Whether every late request has had its answer by now."""
+        with self.lock:
+            self.overdue = [w for w in self.overdue if not w.done.acquire(False)]
+            return not self.overdue
 
     def close(self):
         """Nothing to close: the relay answers what is left."""
@@ -76,12 +99,13 @@ class LeaderClient:
 class RankClient:
     """Any other rank: one message to the leader, the answer polled."""
 
-    def __init__(self, serve, reply, leader):
+    def __init__(self, serve, reply, leader, wait=WAIT):
         from mpi4py import MPI
 
         self.serve, self.reply, self.leader = serve, reply, leader
         self.lock, self.tag, self.closed = _thread.allocate_lock(), FIRST_REPLY, False
         self.span = serve.Get_attr(MPI.TAG_UB) - FIRST_REPLY
+        self.wait, self.overdue = wait, {}  # tag: send of a late request
 
     def next_tag(self):
         """Return a reply tag no other request of this rank is using."""
@@ -91,7 +115,7 @@ class RankClient:
         return tag
 
     def need(self, key):
-        """Return ``None`` once the node's copy answers *key*, or ``"closed"``."""
+        """Return ``None`` once the node's copy answers *key*; or why not."""
         import pickle
         import time
 
@@ -99,9 +123,12 @@ class RankClient:
 
         if self.closed:
             return CLOSED
+        if not self.caught_up():
+            return LATE
         tag = self.next_tag()
         sent = self.serve.Isend([dumps((tag, key)), MPI.BYTE], self.leader, REQUEST)
         status, pause = MPI.Status(), POLL_MIN
+        deadline = time.monotonic() + self.wait
         while True:
             message = self.reply.Improbe(self.leader, tag, status)
             if message is not None:
@@ -110,9 +137,27 @@ class RankClient:
                 return answer
             if self.closed:
                 return CLOSED  # The leader may be gone: no answer will come.
+            if time.monotonic() > deadline:
+                with self.lock:
+                    self.overdue[tag] = sent
+                return LATE
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX)
+
+    def caught_up(self):
+        """Take the late answers that have come; whether none is missing now."""
+        from mpi4py import MPI
+
+        status = MPI.Status()
+        with self.lock:  # threads of this rank may ask at the same time
+            for tag in list(self.overdue):
+                message = self.reply.Improbe(self.leader, tag, status)
+                if message is not None:
+                    receive(self.reply, message, status)
+                    self.overdue.pop(tag).Wait()
+            return not self.overdue
 
     def close(self):
         """Stop asking: later requests, and those still waiting, get ``"closed"``."""
         self.closed = True
+        self.caught_up()

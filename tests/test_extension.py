@@ -143,3 +143,25 @@ def test_extension_and_its_library_are_staged(
         roots.add(root)
     assert len(roots) == 2  # ranks 0-1 on node 0, rank 2 on node 1
     assert job_dirs(stage_dir) == []
+
+
+def test_live_an_extension_whose_library_cannot_be_served_loads_the_original(
+    tmp_path, stage_env, stage_dir, built
+):
+    """A library over the reader's size limit stays out of the copy: so does
+    the extension that needs it from ``$ORIGIN`` (both load from the originals)."""
+    from mpistage.runtime.live.reader import MAX_FILE
+
+    site = tmp_path / "site"
+    shutil.copytree(built, site, symlinks=True)
+    lib = site / "extpkg.libs" / "libextutil.so"
+    os.truncate(lib, MAX_FILE + 1)  # sparse: the loader maps only its segments
+    target = write_target(tmp_path / "app.py", TARGET)
+    stage_env.update(PYTHONPATH=str(site), MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(3, ["-m", "mpistage", target], stage_env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    for res in results(stage_env, 3):
+        assert res["value"] == 42
+        assert res["ext"].startswith(str(site)), res
+        assert res["maps"] == [str(lib)]
+    assert job_dirs(stage_dir) == []

@@ -659,6 +659,8 @@ def npy_with_header(path, header):
         "{'descr': '<f8', 'fortran_order': False, 'shape': (-1, 3), }",
         "{'descr': '<f8', 'fortran_order': False, 'shape': (2, -3), }",
         "{'descr': 'not a dtype', 'fortran_order': False, 'shape': (2,), }",
+        "{'descr': '|V0', 'fortran_order': False, 'shape': (4,), }",
+        "{'descr': '<U0', 'fortran_order': False, 'shape': (2, 2), }",
     ],
 )
 def test_bad_npy_header_is_one_error_everywhere(tmp_path, stage_env, header):

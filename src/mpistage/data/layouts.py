@@ -52,6 +52,7 @@ def raw(path, size, dtype, shape, order, offset):
         dtype = numpy.dtype(dtype)
     except TypeError as exc:
         raise StageError(f"dtype={dtype!r}: {one_line(exc)}") from None
+    check_items(f"dtype={str(dtype)!r}", dtype)
     if order not in ("C", "F"):
         raise StageError(f"order={order!r}: use 'C' or 'F'")
     if not 0 <= offset <= size:
@@ -90,6 +91,7 @@ def npy(path, fd, base, end, size):
             f"{path!r} holds Python objects (dtype {dtype}), which only "
             "numpy.load(allow_pickle=True) reads"
         )
+    check_items(f"{path!r}", dtype)
     length = math.prod(shape) * dtype.itemsize
     if start + length > end:
         raise StageError(
@@ -97,6 +99,12 @@ def npy(path, fd, base, end, size):
             f"header, {max(0, end - start)} are there"
         )
     return DataSpan(start, length, size, (dtype, shape, fortran))
+
+
+def check_items(what, dtype):
+    """Refuse a dtype whose items have no bytes: no buffer can hold them."""
+    if dtype.itemsize == 0:
+        raise StageError(f"{what}: items of dtype {dtype} have no bytes to share")
 
 
 def header_reader(fmt, version):

@@ -57,6 +57,7 @@ from importlib.machinery import SourceFileLoader as _SourceFileLoader
 # serving modules to keep the list whole.
 SERVING = (
     "pickle",
+    "stat",
     "time",
     "types",
     "mpistage.runtime.roots",
@@ -236,7 +237,22 @@ def regular_finder(path):
                 return hook(path)
             except ImportError:
                 continue
-    raise ImportError(f"no path hook for {path!r}", path=path)
+    return NoFinder()  # as PathFinder keeps None: nothing is found there
+
+
+class NoFinder:
+    """The finder of a path no regular hook takes (a missing zip file)."""
+
+    def find_spec(self, fullname, target=None):
+        """Nothing is here."""
+        return None
+
+    def invalidate_caches(self):
+        """Nothing to drop."""
+
+    def iter_modules(self, prefix=""):
+        """Nothing to list."""
+        return iter(())
 
 
 class StagedHook:

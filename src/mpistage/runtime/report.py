@@ -291,6 +291,20 @@ def emit(report, show):
             ) from None
 
 
+def check_writable(path):
+    """Refuse a report path whose directory this process cannot write."""
+    if not path:
+        return
+    folder = _os.path.dirname(_os.path.abspath(path))
+    if not _os.path.isdir(folder) or not _os.access(folder, _os.W_OK | _os.X_OK):
+        from mpistage import StageError
+
+        raise StageError(
+            f"cannot write the report MPISTAGE_REPORT={path!r}: "
+            f"{folder!r} is not a directory this user can write"
+        )
+
+
 def write_json(path, data):
     """Write *data* as JSON to *path* atomically (with mpistage's own modules)."""
     from mpistage import lend, own_module

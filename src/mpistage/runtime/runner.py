@@ -170,11 +170,18 @@ class Runner:
         return bool(self.options.report or _os.environ.get("MPISTAGE_REPORT"))
 
     def check_target(self):
-        """Rank 0: refuse a script that is not there, before staging anything."""
+        """Rank 0: refuse a missing script or an unwritable report, before anything.
+
+        Both are known before the program runs, so nothing is lost.
+        """
         script = self.args[0]
-        if self.world.rank == 0 and script not in ("-m", "-c", "-"):
-            if not _os.path.isfile(script):
-                raise StageError(f"can't open file {script!r}: no such file")
+        if self.world.rank != 0:
+            return
+        if script not in ("-m", "-c", "-") and not _os.path.isfile(script):
+            raise StageError(f"can't open file {script!r}: no such file")
+        from mpistage.runtime.report import check_writable
+
+        check_writable(_os.environ.get("MPISTAGE_REPORT"))
 
     def auto_bundle(self):
         """Return the ``--auto`` cache's bundle path for this target (agreed)."""
@@ -291,6 +298,7 @@ class Runner:
     def wrap_up(self):
         """Save what was learned (``--auto``), then report, if asked."""
         from mpistage.runtime import report
+        from mpistage.runtime.collective import attempt
 
         if self.recorder is not None:
             from mpistage.runtime import auto
@@ -304,9 +312,13 @@ class Runner:
         facts = report.local_facts(self.session, seconds, self.watch)
         facts["live"] = self.live.facts() if self.live else None
         ranks = self.world.gather(facts, root=0)
-        if self.world.rank == 0:
-            summary = report.summarize(self.job_facts(), ranks)
-            report.emit(summary, self.options.report)
+
+        def on_rank0():
+            if self.world.rank == 0:
+                summary = report.summarize(self.job_facts(), ranks)
+                report.emit(summary, self.options.report)
+
+        attempt(self.world, on_rank0)  # a report rank 0 cannot write fails all
 
     def job_facts(self):
         """Return the job-wide facts rank 0 knows."""
@@ -334,6 +346,7 @@ def run_command_line(args):
     """Run ``app.py | -m mod | -c code`` with *args* as ``sys.argv``."""
     _sys.argv[:] = args
     if args[0] == "-c":
+        _sys.path[0] = ""  # as plain python: the directory current at each import
         code = compile(_sys.argv.pop(1), "<string>", "exec", 0, True)
         run_main(code, None)
     elif args[0] == "-m":

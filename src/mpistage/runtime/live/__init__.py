@@ -172,8 +172,12 @@ class LiveSession:
         return not self.closed and _os.getpid() == self.pid
 
     def serves(self, folder):
-        """Whether the directory *folder* is served live."""
-        if folder.startswith(self.copy_root + "/"):
+        """Whether the directory *folder* is served live.
+
+        Only plain absolute paths are (no ``.``, ``..`` or empty part): a
+        path such as ``pkg/../data`` is read as plain python reads it.
+        """
+        if folder.startswith(self.copy_root + "/") or not plain_path(folder):
             return False
         return any(folder == r or folder.startswith(r + "/") for r in self.roots)
 
@@ -240,6 +244,8 @@ class LiveSession:
 
     def fetch(self, path):
         """Return the copy of the file *path*, asking for it if needed; or ``None``."""
+        if not plain_path(path):
+            return None
         copy = self.copy(path)
         if not _os.path.exists(copy):
             self.need(("f", path))
@@ -405,6 +411,12 @@ def wait_seconds():
     from mpistage.runtime.place import seconds
 
     return seconds("MPISTAGE_LIVE_WAIT", WAIT)
+
+
+def plain_path(path):
+    """Whether *path* is absolute, with no ``.``, ``..`` or empty part."""
+    parts = path.split("/")
+    return parts[0] == "" and not any(p in ("", ".", "..") for p in parts[1:])
 
 
 def key_name(key):

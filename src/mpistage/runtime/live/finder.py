@@ -29,6 +29,22 @@ from importlib.machinery import SourceFileLoader as _SourceFileLoader
 
 CURRENT = [None]  # the live session of this process, for LivePath
 _MADE = {}  # classes made on first use: pathlib and importlib.resources load late
+# Marks of listing entries that are no regular file or directory (no file
+# name holds a NUL): a FIFO, socket or device; a link to nothing.
+OTHER, DANGLING = "\0o", "\0x"
+
+
+def entry_name(entry):
+    """Return the name a listing *entry* stands for, without its mark."""
+    return entry.partition("\0")[0].rstrip("/")
+
+
+def entry_kind(entries, name):
+    """Return ``dir``, ``file``, ``other``, ``dangling`` or ``absent``."""
+    for mark, kind in (("/", "dir"), ("", "file"), (OTHER, "other")):
+        if name + mark in entries:
+            return kind
+    return "dangling" if name + DANGLING in entries else "absent"
 
 
 class Unknown(LookupError):
@@ -162,7 +178,8 @@ class LiveFinder(_FileFinder):
             entries = self.live.listing(self.path) or ()
         except Unknown:
             entries = ()
-        return listed_modules(entries, self.is_package, prefix)
+        names = [e if e.endswith("/") else entry_name(e) for e in entries]
+        return listed_modules(names, self.is_package, prefix)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module."""
@@ -310,7 +327,7 @@ def make_live_path():
             return live if live is not None and live.usable() else None
 
         def entry(self):
-            """Return ``dir``, ``file``, ``absent`` or ``None`` (not known)."""
+            """Return what :func:`entry_kind` says of this path, or ``None``."""
             live = self.served()
             parent = _os.path.dirname(str(self))
             if live is None or not live.serves(parent):
@@ -319,12 +336,7 @@ def make_live_path():
                 entries = live.listing(parent)
             except Unknown:
                 return None
-            if not entries:
-                return "absent"
-            name = self.name
-            if name + "/" in entries:
-                return "dir"
-            return "file" if name in entries else "absent"
+            return entry_kind(entries, self.name) if entries else "absent"
 
         def open(
             self, mode="r", buffering=-1, encoding=None, errors=None, newline=None
@@ -333,7 +345,7 @@ def make_live_path():
             live = self.served()
             if live is not None and set(mode) <= set("rbt"):
                 kind = self.entry()
-                if kind == "absent":
+                if kind in ("absent", "dangling"):
                     raise FileNotFoundError(2, "No such file or directory", str(self))
                 copy = live.fetch(str(self)) if kind == "file" else None
                 if copy:
@@ -363,7 +375,7 @@ def make_live_path():
                 raise FileNotFoundError(2, "No such directory", str(self))
             if entries is Ellipsis:
                 return super().iterdir()
-            return iter([self / e.rstrip("/") for e in entries])
+            return iter([self / entry_name(e) for e in entries])
 
         def is_dir(self):
             """Whether the listing shows a directory."""
@@ -378,7 +390,7 @@ def make_live_path():
         def exists(self):
             """Whether the listing shows this entry."""
             kind = self.entry()
-            return kind in ("dir", "file") if kind else super().exists()
+            return kind in ("dir", "file", "other") if kind else super().exists()
 
     return LivePath
 
@@ -462,7 +474,7 @@ class LiveMetaFinder:
             return []
         egg = _os.path.basename(folder).lower().endswith(".egg")
         found = []
-        for child in (e.rstrip("/") for e in entries):
+        for child in (entry_name(e) for e in entries):
             low = child.lower()
             if low.endswith((".dist-info", ".egg-info")):
                 name = Prepared.normalize(low.rpartition(".")[0].partition("-")[0])

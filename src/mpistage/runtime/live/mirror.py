@@ -22,6 +22,11 @@ following symlinks, like extraction does
 and removed like the runner's copy (:mod:`~mpistage.runtime.place`,
 :mod:`~mpistage.runtime.cleanup`). The paths come from the reader, a rank of
 the same job, and are still checked: absolute, no ``.`` or ``..``.
+
+A file that cannot be mirrored (an odd path, a name too long, a directory
+where a file was, a full disk) is left out, and the ranks read its original,
+as plain python would: one file never ends the job. An extension is left
+out too when a library it needs from ``$ORIGIN`` is not in the copy.
 """
 
 import os as _os
@@ -56,7 +61,7 @@ class CopyWriter:
         self.dirs = Dirs(open_dir(root.fd, TREE))
         flags = _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
         self.log = _os.open(LOG, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
-        self.full = False
+        self.full, self.written = False, 0
 
     def apply(self, items):
         """Write *items* (files, then listings) in order."""
@@ -78,14 +83,24 @@ class CopyWriter:
         while done < len(blob):
             done += _os.write(self.log, blob[done:])
 
-    def write_file(self, path, data, mode, mtime_ns):
-        """Write one file below the tree atomically; a missing one is skipped."""
+    def write_file(self, path, data, mode, mtime_ns, needs=()):
+        """Write one file below the tree atomically; skip what cannot be.
+
+        *needs* are the files it must not be without (an extension's
+        ``$ORIGIN`` libraries): it is skipped when one is not in the copy.
+        """
         if data is None or self.full:
             return
-        rel = relative(path)
-        parent, _, leaf = rel.rpartition("/")
-        fd = self.dirs.fd(parent)
-        tmp = f".{leaf}.mpistage-{_os.getpid()}"
+        try:
+            rel = relative(path)
+            if not all(self.holds(relative(p)) for p in needs):
+                return
+            parent, _, leaf = rel.rpartition("/")
+            fd = self.dirs.fd(parent)
+        except (OSError, ValueError):
+            return  # Not a path the copy can hold: the original is read.
+        self.written += 1
+        tmp = f".mpistage-{_os.getpid()}-{self.written}.tmp"  # short: any leaf fits
         try:
             out = _os.open(tmp, FILE_FLAGS, (mode & 0o777) | 0o600, dir_fd=fd)
             try:
@@ -100,6 +115,17 @@ class CopyWriter:
         except OSError as exc:
             self.give_up(fd, tmp, exc)
 
+    def holds(self, rel):
+        """Whether the copy holds the regular file *rel* (no link followed)."""
+        import stat
+
+        parent, _, leaf = rel.rpartition("/")
+        try:
+            st = _os.stat(leaf, dir_fd=self.dirs.fd(parent), follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
     def give_up(self, fd, tmp, exc):
         """A file that cannot be written: the ranks read its original instead."""
         import errno
@@ -110,8 +136,6 @@ class CopyWriter:
             pass
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             self.full = True  # Nothing more fits: later files come from originals.
-        elif exc.errno not in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise exc
 
     def close(self):
         """Close the descriptors (the files stay until the root is removed)."""

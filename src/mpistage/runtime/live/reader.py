@@ -23,10 +23,12 @@ Everything is reached relative to directory descriptors opened once
 open, not a walk of its whole path: this is what keeps rank 0 below plain
 python's operations although it reads for every node.
 
-Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode, mtime_ns)``;
-``entries`` is ``None`` (no such directory), ``False`` (not a directory) or
-the sorted entries, directories ending in ``/``; ``data`` is ``None`` when
-the file cannot be read.
+Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode,
+mtime_ns, needs)``; ``entries`` is ``None`` (no such directory), ``False``
+(not a directory) or the sorted entries, directories ending in ``/``
+(others marked, see :func:`listed_entry`); ``data`` is ``None`` when the
+file cannot be read; ``needs`` names the ``$ORIGIN`` libraries an extension
+cannot be loaded from the copy without.
 """
 
 import os as _os
@@ -49,6 +51,7 @@ class Reader:
 
     def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
+        self.unread = set()  # files sent as unreadable: the ranks read originals
         self.sources = sources
         self.counts = {"listings": 0, "files": 0, "bytes": 0}
 
@@ -109,24 +112,30 @@ class Reader:
         got = self.read(folder, name)
         if got is None:
             return self.add_file(path, None, out)
-        todo, seen = [(got[0], folder, [])], {path}
+        todo, seen, needs = [(got[0], folder, [])], {path}, []
         while todo:
             data, where, inherited = todo.pop()
             names, dirs = origin_dirs(data, where)
             dirs = dirs + inherited  # the loader also searches its loaders' paths
             for needed in names:
-                lib = self.library(needed, dirs, out)
+                lib = self.library(needed, dirs, out, needs)
                 if lib is not None and lib[0] not in seen:
                     seen.add(lib[0])
                     todo.append((lib[1], _os.path.dirname(lib[0]), dirs))
-        self.add_file(path, got, out)
+        if self.unread.intersection(needs):
+            got = None  # loaded from the copy, it would miss a library
+        self.add_file(path, got, out, tuple(needs))
 
-    def library(self, name, dirs, out):
-        """Find *name* in the ``$ORIGIN`` *dirs*; add it; return (path, data)."""
+    def library(self, name, dirs, out, needs):
+        """Find *name* in the ``$ORIGIN`` *dirs*; add it; return (path, data).
+
+        Its path goes to *needs* wherever it was found, sent now or before.
+        """
         for folder in dirs:
             entries = self.listing(folder, out)
             if entries and name in entries:
                 path = f"{folder}/{name}"
+                needs.append(path)
                 if path in self.sent:
                     return None
                 got = self.read(folder, name)
@@ -142,11 +151,13 @@ class Reader:
             folder, name = _os.path.split(path)
             self.add_file(path, self.read(folder, name), out)
 
-    def add_file(self, path, got, out):
+    def add_file(self, path, got, out, needs=()):
         """Add a read file (or ``None``: unreadable) as an item."""
         self.sent.add(path)
+        if not got:
+            self.unread.add(path)
         data, mode, mtime = got if got else (None, 0, None)
-        out.append(("f", path, data, mode, mtime))
+        out.append(("f", path, data, mode, mtime, needs))
 
     def listing(self, path, out, again=False):
         """Return the listing of *path*; add it as an item when (re)read.
@@ -175,9 +186,7 @@ class Reader:
         try:
             fd = self.dir_fd(path, LIST_FLAGS)
             with _os.scandir(fd) as found:
-                return tuple(
-                    sorted(e.name + "/" if dir_entry(e) else e.name for e in found)
-                )
+                return tuple(sorted(listed_entry(e) for e in found))
         except OSError as exc:
             return False if exc.errno == errno.ENOTDIR else None
 
@@ -252,12 +261,24 @@ class Reader:
         self.fds = {}
 
 
-def dir_entry(entry):
-    """Whether a directory entry is a directory (following a symlink)."""
+def listed_entry(entry):
+    """Return a directory entry as listings hold it: what it is, marked.
+
+    A directory ends in ``/``; a regular file is its name; anything else is
+    marked (:data:`~.finder.OTHER`, :data:`~.finder.DANGLING`), so that it
+    is neither a module nor a file to the ranks. Only those cost a stat.
+    """
+    from mpistage.runtime.live.finder import DANGLING, OTHER
+
     try:
-        return entry.is_dir()
+        if entry.is_dir():
+            return entry.name + "/"
+        if entry.is_file():
+            return entry.name
+        entry.stat()
+        return entry.name + OTHER
     except OSError:
-        return False
+        return entry.name + DANGLING
 
 
 def read_all(fd, size):

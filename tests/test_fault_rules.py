@@ -1,0 +1,217 @@
+"""Faults, round 4: each rule tested by the class it comes from, end to end.
+
+Every job runs at 4 ranks on 2 emulated nodes (or 2 ranks) with a timeout:
+a hang is a failure. The classes:
+
+- rank 0 never fails alone: what only rank 0 does (writing the report) is
+  checked before the program runs, and agreed after it;
+- the runner's ``-c`` finds modules as plain python does, also after
+  ``os.chdir`` (``sys.path[0]`` is ``""``);
+- what cannot be mirrored under live imports is read from the original, and
+  the job goes on;
+- listings know what an entry is: a FIFO, a socket or a dangling link is
+  neither a file nor a module;
+- in a forked child, live finders step aside as plain python's would.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+
+from stagetools import EMIT, PYTHON, job_dirs, mpirun, results, run, write_target
+
+pytestmark = pytest.mark.usefixtures("reap_mpich_shm")
+NODES = {"MPISTAGE_EMULATE_NODES": "2"}
+
+
+def launch(ranks, target, env, cwd, *options, timeout=90):
+    """``mpiexec -n RANKS python -m mpistage OPTIONS TARGET`` on 2 nodes."""
+    args = ["-m", "mpistage", *options, *target]
+    return mpirun(ranks, args, dict(env, **NODES), cwd=cwd, timeout=timeout)
+
+
+def error_lines(result):
+    return [ln for ln in result.stderr.splitlines() if "mpistage: error" in ln]
+
+
+# -- rank 0 never fails alone ------------------------------------------------------
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_the_program(
+    tmp_path, stage_env
+):
+    env = dict(stage_env, MPISTAGE_REPORT=str(tmp_path / "no" / "such" / "r.json"))
+    target = write_target(tmp_path / "app.py", "emit('ran')\n")
+    result = launch(4, [target], env, tmp_path, timeout=60)
+    assert result.returncode == 1, result
+    assert len(error_lines(result)) == 1, result.stderr
+    assert "MPISTAGE_REPORT" in error_lines(result)[0]
+    assert not list((tmp_path / "out").iterdir())  # the program did not run
+
+
+def test_a_report_that_fails_at_the_end_ends_every_rank(tmp_path, stage_env):
+    report = tmp_path / "report.json"
+    report.mkdir()  # its directory is writable; the report itself is not
+    env = dict(stage_env, MPISTAGE_REPORT=str(report))
+    target = write_target(tmp_path / "app.py", "emit('ran')\n")
+    result = launch(4, [target], env, tmp_path, timeout=60)
+    assert result.returncode == 1, result
+    assert len(error_lines(result)) == 1, result.stderr
+    assert results(env, 4) == ["ran"] * 4
+    assert job_dirs(tmp_path / "stage") == []
+
+
+# -- -c as plain python -----------------------------------------------------------
+
+CHDIR = """
+import os, sys
+os.chdir(sys.argv[1])
+import chdirmod
+emit([sys.path[0], chdirmod.WHERE])
+"""
+
+
+def test_code_imports_from_the_directory_it_changed_to(tmp_path, stage_env):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "chdirmod.py").write_text("WHERE = 'other'\n")
+    code = EMIT + CHDIR
+    plain = run([PYTHON, "-c", code, str(other)], env=stage_env, cwd=tmp_path)
+    assert plain.returncode == 0, plain
+    expected = json.loads((tmp_path / "out" / "plain.json").read_text())
+    assert expected == ["", "other"]
+    (tmp_path / "out" / "plain.json").unlink()
+    result = launch(2, ["-c", code, str(other)], stage_env, tmp_path, timeout=60)
+    assert result.returncode == 0, result
+    assert results(stage_env, 2) == [expected] * 2
+
+
+# -- what cannot be mirrored is read from the original ------------------------------
+
+FAR_NAME = "m" * 245
+
+UNMIRRORABLE = f"""
+import importlib, importlib.metadata, importlib.resources, sys
+got = []
+long = importlib.import_module("{FAR_NAME}")
+got.append(long.VALUE)
+got.append(importlib.resources.files("oddpkg").joinpath("../oddpkg/data.txt").read_text())
+dist = importlib.metadata.distribution("oddpkg")
+got.append(sorted(str(f) for f in dist.files if "bin" in str(f)))
+got.append(dist.read_text("../../bin/oddtool") is None)
+emit(got)
+"""
+
+
+@pytest.fixture
+def odd_site(tmp_path):
+    """A site whose names cannot all be mirrored: long, climbing, outside."""
+    site = tmp_path / "site"
+    pkg = site / "oddpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data.txt").write_text("data")
+    (site / f"{FAR_NAME}.py").write_text("VALUE = 'far'\n")
+    info = site / "oddpkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: oddpkg\nVersion: 1.0\n")
+    (info / "RECORD").write_text(
+        "oddpkg/__init__.py,,\noddpkg/data.txt,,\n../../bin/oddtool,,\n"
+    )
+    return site
+
+
+def test_what_cannot_be_mirrored_is_read_from_the_original(
+    tmp_path, stage_env, odd_site
+):
+    env = dict(stage_env, PYTHONPATH=str(odd_site))
+    target = write_target(tmp_path / "odd.py", UNMIRRORABLE)
+    plain = run([PYTHON, target], env=env, cwd=tmp_path)
+    assert plain.returncode == 0, plain
+    expected = json.loads((tmp_path / "out" / "plain.json").read_text())
+    (tmp_path / "out" / "plain.json").unlink()
+    result = launch(4, [target], env, tmp_path)
+    assert result.returncode == 0, result
+    assert results(env, 4) == [expected] * 4
+    assert job_dirs(tmp_path / "stage") == []
+
+
+# -- listings know what an entry is --------------------------------------------------
+
+KINDS = """
+import importlib.resources, pathlib
+root = importlib.resources.files("kindpkg")
+facts = {}
+for name in ("fifo", "sock", "dangling", "file.txt", "sub"):
+    p = root / name
+    facts[name] = [p.exists(), p.is_file(), p.is_dir()]
+facts["listed"] = sorted(p.name for p in root.iterdir())
+for name in ("fifomod", "danglingmod"):
+    try:
+        __import__("kindpkg." + name)
+        facts[name] = "imported"
+    except ImportError:
+        facts[name] = "absent"
+emit(facts)
+"""
+
+
+@pytest.fixture
+def kind_site(tmp_path):
+    site = tmp_path / "site"
+    pkg = site / "kindpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "file.txt").write_text("text")
+    os.mkfifo(pkg / "fifo")
+    os.mkfifo(pkg / "fifomod.py")
+    (pkg / "dangling").symlink_to(tmp_path / "nowhere")
+    (pkg / "danglingmod.py").symlink_to(tmp_path / "nowhere.py")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(pkg / "sock"))
+    yield site
+    sock.close()
+
+
+def test_fifos_sockets_and_dangling_links_are_what_they_are(
+    tmp_path, stage_env, kind_site
+):
+    env = dict(stage_env, PYTHONPATH=str(kind_site))
+    target = write_target(tmp_path / "kinds.py", KINDS)
+    plain = run([PYTHON, target], env=env, cwd=tmp_path, timeout=30)
+    assert plain.returncode == 0, plain
+    expected = json.loads((tmp_path / "out" / "plain.json").read_text())
+    (tmp_path / "out" / "plain.json").unlink()
+    result = launch(4, [target], env, tmp_path, timeout=60)
+    assert result.returncode == 0, result
+    assert results(env, 4) == [expected] * 4
+
+
+# -- fork -------------------------------------------------------------------------
+
+FORKED = """
+import multiprocessing as mp
+import sys
+
+def child(_):
+    import forkmod, json, decimal
+    return forkmod.VALUE
+
+if __name__ == "__main__":
+    sys.path.insert(1, "/nonexistent-mpistage/x.zip")
+    with mp.get_context("fork").Pool(2) as pool:
+        emit(pool.map(child, range(2)))
+"""
+
+
+def test_a_forked_child_imports_as_plain_python(tmp_path, stage_env):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "forkmod.py").write_text("VALUE = 'forked'\n")
+    env = dict(stage_env, PYTHONPATH=str(site))
+    target = write_target(tmp_path / "forked.py", FORKED)
+    result = launch(2, [target], env, tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    assert results(env, 2) == [["forked", "forked"]] * 2

@@ -27,8 +27,9 @@ What a replay needs and what it must not have:
 - nothing the program wrote is taken (:class:`Written`): not the files it
   wrote, not what is below a directory it made, not the other files of a
   directory it wrote into (unless that directory was on ``sys.path`` when
-  it started: a script writes its output beside itself), and no file
-  changed since the run started (C code writes unseen). Such a directory
+  it started: a script writes its output beside itself), and, outside
+  those directories, no file changed since the run started (C code
+  writes unseen). Such a directory
   is no root either: TensorFlow's autograph writes the modules it imports
   into ``/tmp``, and a bundle rooted there would be stale on every run.
 
@@ -233,11 +234,22 @@ class Written:
         self.started = min(started) if started else None
 
     def file(self, path):
-        """Whether the file *path* is (or sits among) what the program wrote."""
+        """Whether the file *path* is (or sits among) what the program wrote.
+
+        Changed since the run started counts only outside the directories
+        that were on ``sys.path`` then: a file there touched before the run
+        (an mtime in the future, a clock of another host) is the user's.
+        """
         folder = _os.path.dirname(path)
         if path in self.wrote or self.below_made(path):
             return True
-        return folder in self.into and folder not in self.kept or self.changed(path)
+        if folder in self.into and folder not in self.kept:
+            return True
+        return not self.in_kept(path) and self.changed(path)
+
+    def in_kept(self, path):
+        """Whether *path* lies below a directory on ``sys.path`` at the start."""
+        return any(path.startswith(k.rstrip(_os.sep) + _os.sep) for k in self.kept)
 
     def root(self, root):
         """Whether the directory *root* is one the program wrote into or made."""

@@ -14,6 +14,7 @@ from stagetools import (
     MPIEXEC,
     PYTHON,
     TIMEOUT,
+    install_record,
     make_site,
     mpistage,
     results,
@@ -247,3 +248,88 @@ def test_a_read_only_cache_with_a_fresh_bundle_is_replayed(
     assert result.returncode != 0 and facts is None
     assert "cannot write the --auto cache" in result.stderr
     assert bundles(cache) == [cached]
+
+
+# -- what a replay needs, and what it must not have (issue #25, item 3) ------------
+
+CHECKED_APP = """
+import checkpkg
+from mpi4py import MPI
+emit({"rank": MPI.COMM_WORLD.rank, "file": checkpkg.__file__, "tool": checkpkg.TOOL})
+"""
+
+CHECKING_PKG = """
+import os
+TOOL = os.path.join(os.path.dirname(__file__), "bin", "tool")
+if not os.path.exists(TOOL):  # torch checks torch/bin/torch_shm_manager so
+    raise ImportError(f"no {TOOL}")
+"""
+
+
+def test_a_file_only_checked_is_replayed(tmp_path, stage_env, stage_dir):
+    """A package that refuses to import without a file it never opens."""
+    site = tmp_path / "site"
+    (site / "checkpkg" / "bin").mkdir(parents=True)
+    (site / "checkpkg" / "__init__.py").write_text(CHECKING_PKG)
+    (site / "checkpkg" / "bin" / "tool").write_text("#!/bin/sh\n")
+    (site / "checkpkg" / "bin" / "unused").write_text("not checked\n")
+    install_record(site, "checkpkg", "1.0")  # served with its staged __file__
+    (tmp_path / "app").mkdir()
+    script = write_target(tmp_path / "app" / "app.py", CHECKED_APP)
+    env = dict(stage_env, PYTHONPATH=str(site))
+    options = ["--auto", "--cache-dir", tmp_path / "cache"]
+    for verdict in ("recorded", "replayed"):
+        result, facts = replay(2, options, script, env, tmp_path / "r.json")
+        assert need_report(result, facts)["auto"].startswith(verdict), facts
+    (cached,) = bundles(tmp_path / "cache")
+    rels = {m["rel"] for m in read_manifest(cached)["members"]}
+    assert "checkpkg/bin/tool" in rels and "checkpkg/bin/unused" not in rels
+    for res in results(stage_env, 2):
+        assert below(res["file"], stage_dir) and below(res["tool"], stage_dir), res
+
+
+WRITING_APP = """
+import importlib, os, sys, tempfile
+from mpi4py import MPI
+import tinypkg
+comm = MPI.COMM_WORLD
+folder = tempfile.mkdtemp(dir=os.environ["SCRATCH"]) if comm.rank == 0 else None
+folder = comm.bcast(folder)
+if comm.rank == 0:
+    with open(os.path.join(folder, "made_here.py"), "w") as f:
+        f.write("WHO = 'generated'\\n")
+comm.Barrier()
+sys.path.insert(0, folder)
+import made_here
+with open(os.path.join(os.path.dirname(__file__), "out.txt"), "w") as f:
+    f.write("output beside the script")
+emit({"rank": comm.rank, "who": made_here.WHO, "file": tinypkg.__file__})
+"""
+
+
+def test_what_the_program_wrote_is_no_root(tmp_path, stage_env, stage_dir, app):
+    """Modules the program writes and imports (autograph's in /tmp) are not learned."""
+    _, env = app
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "app" / "helper.py").write_text("HELP = 1\n")
+    script = write_target(tmp_path / "app" / "writer.py", WRITING_APP)
+    env = dict(env, SCRATCH=str(scratch))
+    options = ["--auto", "--cache-dir", tmp_path / "cache", "--report"]
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    assert need_report(result, facts)["auto"].startswith("recorded"), facts
+    (cached,) = bundles(tmp_path / "cache")
+    manifest = read_manifest(cached)
+    paths = [r["path"] for r in manifest["roots"]]
+    assert not any(p.startswith(str(scratch)) for p in paths), paths
+    assert str(tmp_path / "app") in paths  # the script's own directory stays one
+    rels = {m["rel"] for m in manifest["members"]}
+    assert "out.txt" not in rels and "made_here.py" not in rels, rels
+
+    for _ in range(2):  # replayed, again and again: never stale
+        result, facts = replay(2, options, script, env, tmp_path / "r.json")
+        assert need_report(result, facts)["auto"] == "replayed", result
+        ranks = results(env, 2)
+        assert [r["who"] for r in ranks] == ["generated"] * 2
+        assert all(below(r["file"], stage_dir) for r in ranks), ranks
+    assert bundles(tmp_path / "cache") == [cached]

@@ -15,7 +15,23 @@ Python process of the recorded command, as it does in every rank of an
 
 A usage may say where a copy of some files is (``copies``: an ``--auto``
 run with live imports learned from node 0's copy): those are read there,
-not from the shared file system again.
+not from the shared file system again. ``--auto`` also gives :func:`build`
+its view of the files (:class:`~mpistage.bundle.files.Known`: what the
+live reader learned), so nothing the run read is looked at again.
+
+What a replay needs and what it must not have:
+
+- files the program only checked (``os.stat``, ``os.path.exists``...: a
+  package that refuses to import without ``bin/tool`` beside it) are taken
+  where they exist, as files it read are;
+- nothing the program wrote is taken (:class:`Written`): not the files it
+  wrote, not what is below a directory it made, not the other files of a
+  directory it wrote into (unless that directory was on ``sys.path`` when
+  it started: a script writes its output beside itself), and, outside
+  those directories, no file changed since the run started (C code
+  writes unseen). Such a directory
+  is no root either: TensorFlow's autograph writes the modules it imports
+  into ``/tmp``, and a bundle rooted there would be stale on every run.
 
 The standard library modules the program used are taken too (unless
 ``stdlib=False``), and every sys.path directory is recorded with its
@@ -31,12 +47,13 @@ from mpistage import StageError
 GRANULARITIES = ("package", "file")
 
 
-def usable_roots(usages, stdlib):
+def usable_roots(usages, stdlib, files, written):
     """Return the sys.path directories of *usages*, deepest first."""
     from mpistage.runtime.roots import in_stdlib
 
-    roots = {p for u in usages for p in u["sys_path"] if _os.path.isdir(p)}
+    roots = {p for u in usages for p in u["sys_path"]}
     keep = [r for r in roots if stdlib or not in_stdlib(r)]
+    keep = [r for r in keep if files.isdir(r) and not written.root(r)]
     return sorted(keep, key=len, reverse=True)
 
 
@@ -49,12 +66,12 @@ def choose(selection, path, roots, granularity, done, copies=None):
     from mpistage.bundle.pack import add_top
     from mpistage.runtime.roots import METADATA_SUFFIXES, root_of, top_name
 
-    copies = copies or {}
+    copies, files = copies or {}, selection.files
     found = root_of(path, roots)
-    if found is None or not (path in copies or _os.path.exists(path)):
+    if found is None or not (path in copies or files.exists(path)):
         return
     root, top, rel = found
-    is_dir = "/" in rel or _os.path.isdir(_os.path.join(root, top))
+    is_dir = "/" in rel or files.isdir(_os.path.join(root, top))
     name = top_name(top, is_dir)
     if name == "mpistage" or top == "mpistage.pth":
         return
@@ -67,7 +84,7 @@ def choose(selection, path, roots, granularity, done, copies=None):
     elif name is not None:
         if (root, name) not in done:
             done.add((root, name))
-            add_top(selection, root, name, top_locations(root, name))
+            add_top(selection, root, name, top_locations(root, name, files))
     else:
         selection.take(root, path)
 
@@ -87,61 +104,87 @@ def read_from_copies(selection, copies):
                 selection.relocate(root, path, source=copies[path])
 
 
-def top_locations(root, name):
+def top_locations(root, name, files):
     """Return the entries of *root* that make up the top-level module *name*."""
     from mpistage.runtime.roots import top_name
 
     entries = []
-    with _os.scandir(root) as found:
-        for entry in found:
-            if top_name(entry.name, entry.is_dir()) == name:
-                entries.append(entry.path)
+    for entry in files.listing(root):
+        if top_name(entry) == name:
+            entries.append(_os.path.join(root, entry.rstrip("/")))
     cache = _os.path.join(root, "__pycache__")
-    if _os.path.isdir(cache):
-        for entry in _os.listdir(cache):
+    if files.isdir(cache):
+        for entry in files.listdir(cache):
             if entry.split(".", 1)[0] == name:
                 entries.append(_os.path.join(cache, entry))
     return entries
 
 
-def take_listed(selection, usages, roots):
+def take_listed(selection, usages, roots, written):
     """File granularity: take the direct entries of every directory listed."""
     from mpistage.runtime.roots import root_of
 
+    files = selection.files
     for folder in sorted({p for u in usages for p in u.get("listed", [])}):
         found = root_of(folder, roots)
-        if found and _os.path.isdir(folder) and found[1] != "mpistage":
-            for entry in _os.listdir(folder):
+        if found and files.isdir(folder) and found[1] != "mpistage":
+            for entry in files.listing(folder):
                 path = _os.path.join(folder, entry)
-                if not _os.path.isdir(path):
+                if not entry.endswith("/") and not written.file(path):
                     selection.take(found[0], path)
 
 
+def take_checked(selection, usages, roots, granularity, done, written):
+    """Take the files the program checked (``os.path.exists``) but did not read."""
+    from mpistage.runtime.roots import root_of
+
+    for path in sorted({p for u in usages for p in u.get("checked", [])}):
+        found = root_of(path, roots)
+        if found and not written.file(path) and selection.files.isfile(path):
+            choose(selection, path, roots, granularity, done)
+
+
 def build(
-    output, usages, granularity="package", created_by="record", extra=None, stdlib=True
+    output,
+    usages,
+    granularity="package",
+    created_by="record",
+    extra=None,
+    stdlib=True,
+    files=None,
 ):
-    """Write the bundle of what *usages* used; return its manifest."""
+    """Write the bundle of what *usages* used; return its manifest.
+
+    *files* is the view of the file system to build from (default: the
+    file system itself; see :mod:`~mpistage.bundle.files`).
+    """
     from mpistage.bundle.pack import TEST_DIRS
     from mpistage.bundle.writer import Selection, write
 
     check_same_python(usages)
-    roots, selection, done = usable_roots(usages, stdlib), Selection(TEST_DIRS), set()
+    selection, done = Selection(TEST_DIRS, files), set()
+    written = Written(usages, selection.files)
+    roots = usable_roots(usages, stdlib, selection.files, written)
     used = sorted({p for u in usages for p in u["files"]})
     copies = {k: v for u in usages for k, v in u.get("copies", {}).items()}
     for path in used:
-        choose(selection, path, roots, granularity, done, copies)
-    keep_used_tests(selection, used, roots)
+        if not written.file(path):
+            choose(selection, path, roots, granularity, done, copies)
+    take_checked(selection, usages, roots, granularity, done, written)
+    keep_used_tests(selection, used, roots, written)
     if granularity == "file":
-        take_listed(selection, usages, roots)
+        take_listed(selection, usages, roots, written)
+    written.drop(selection)
     if not selection.paths:
         raise StageError("the program used no files outside the standard library")
     for root in list(selection.paths):
-        for entry in _os.listdir(root):
+        for entry in selection.files.listdir(root):
             if entry.endswith(".pth"):
                 selection.take(root, _os.path.join(root, entry))
     for root in roots:
         selection.index(root)
-    read_from_copies(selection, copies)
+    if files is None:
+        read_from_copies(selection, copies)
     names = sorted({n for r in selection.paths for n in tops(selection, r)})
     info = dict(extra or {}, granularity=granularity)
     fields = {"created_by": created_by, "packages": names, "recorded": info}
@@ -149,14 +192,15 @@ def build(
     return write(output, selection, fields)
 
 
-def keep_used_tests(selection, used, roots):
+def keep_used_tests(selection, used, roots, written):
     """Take back the files of test directories that the program did use."""
     from mpistage.runtime.roots import root_of
 
     for path in used:
         found = root_of(path, roots)
-        if found and selection.excluded(found[2]) and _os.path.isfile(path):
-            selection.add(found[0], path)
+        if found and selection.excluded(found[2]) and not written.file(path):
+            if selection.files.isfile(path):
+                selection.add(found[0], path)
 
 
 def tops(selection, root):
@@ -166,9 +210,86 @@ def tops(selection, root):
     for path in selection.taken(root):
         rel = _os.path.relpath(path, root)
         first, sep, _ = rel.partition(_os.sep)
-        name = top_name(first, bool(sep) or _os.path.isdir(path))
+        name = top_name(first, bool(sep) or selection.files.isdir(path))
         if name:
             yield name
+
+
+class Written:
+    """What the program wrote: never bundled, never a root (module docstring).
+
+    From the recorders' usages: ``written`` (files opened for writing,
+    created, renamed or linked into place), ``made`` (directories made),
+    ``start_path`` (``sys.path`` when recording began) and ``started_ns``
+    (when it began; files changed after it were written by the run).
+    """
+
+    def __init__(self, usages, files):
+        self.files = files
+        self.wrote = {p for u in usages for p in u.get("written", ())}
+        self.made = {p for u in usages for p in u.get("made", ())}
+        self.into = {_os.path.dirname(p) for p in self.wrote} | self.made
+        self.kept = {p for u in usages for p in u.get("start_path", ())}
+        started = [u["started_ns"] for u in usages if u.get("started_ns")]
+        self.started = min(started) if started else None
+
+    def file(self, path):
+        """Whether the file *path* is (or sits among) what the program wrote.
+
+        Changed since the run started counts only outside the directories
+        that were on ``sys.path`` then: a file there touched before the run
+        (an mtime in the future, a clock of another host) is the user's.
+        """
+        folder = _os.path.dirname(path)
+        if path in self.wrote or self.below_made(path):
+            return True
+        if folder in self.into and folder not in self.kept:
+            return True
+        return not self.in_kept(path) and self.changed(path)
+
+    def in_kept(self, path):
+        """Whether *path* lies below a directory on ``sys.path`` at the start."""
+        return any(path.startswith(k.rstrip(_os.sep) + _os.sep) for k in self.kept)
+
+    def root(self, root):
+        """Whether the directory *root* is one the program wrote into or made."""
+        if root in self.kept:
+            return False
+        return root in self.into or self.below_made(root) or self.changed(root)
+
+    def below_made(self, path):
+        """Whether *path* lies below a directory the program made."""
+        while True:
+            parent = _os.path.dirname(path)
+            if parent == path:
+                return False
+            if parent in self.made:
+                return True
+            path = parent
+
+    def changed(self, path):
+        """Whether *path* changed after the run started (``lstat``, once).
+
+        Bytecode the import system wrote during the run is not the
+        program's: it is checked against its source where it is used.
+        """
+        if self.started is None or "__pycache__" in path.split(_os.sep):
+            return False
+        try:
+            return self.files.lstat(path).st_mtime_ns > self.started
+        except (OSError, ValueError):
+            return False
+
+    def drop(self, selection):
+        """Leave out what whole directories taken hold of the program's writes."""
+        if not (self.wrote or self.made):
+            return
+        for root in selection.paths:
+            for path in selection.taken(root):
+                if path in self.wrote or self.below_made(path):
+                    selection.drop(root, path)
+                elif _os.path.dirname(path) in self.into - self.kept:
+                    selection.drop(root, path)
 
 
 def check_same_python(usages):

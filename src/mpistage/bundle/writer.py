@@ -16,6 +16,13 @@ its ``RECORD`` lists are marked ``owned``, and members directly in a root
 keep their inode. That is what lets the staleness check cost
 O(distributions + directories) (see :mod:`mpistage.runtime.validate`).
 
+Every question about the originals goes to the selection's view of the
+file system (:mod:`~mpistage.bundle.files`): the file system itself, or
+what an ``--auto`` learning run learned already. The standard library
+modules the writer needs (``json``, ``csv``, ``fnmatch``) are mpistage's
+own copies (:func:`mpistage.own_module`): it also runs inside a program
+that is done, whose own ``json.py`` may be ``json``.
+
 Bundles are never bundled: files ending in ``.mpistage`` (and the writer's
 own temporaries) are left out, so ``pack --path .`` with the output in
 ``.`` does not take the previous bundle and is not stale at once. Nor are
@@ -24,11 +31,12 @@ directory reserves them for mpistage's own files.
 """
 
 import os as _os
+import stat as _stat
 
-from mpistage import StageError
+from mpistage import StageError, lend, own_module
+from mpistage.bundle.files import Files
 from mpistage.runtime import bundlefile
 
-COPY_SIZE = 1 << 20
 # Never bundled: bundles, the writer's temporaries, and names at the top of a
 # root that a staging directory reserves for mpistage's own files.
 BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", bundlefile.RESERVED + "*")
@@ -56,9 +64,10 @@ class Selection:
     selection through these methods only.
     """
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), files=None):
         self.exclude = tuple(exclude) + BUNDLES
         self.roots, self.dests, self.links = {}, {}, []
+        self.files = files if files is not None else Files()
 
     @property
     def paths(self):
@@ -79,7 +88,7 @@ class Selection:
         """Add *path* (below *root*) and, for a directory, all below it."""
         self.index(root)
         root = _os.path.abspath(root)
-        for found in walk(path):
+        for found in walk(path, self.files):
             if not self.excluded(_os.path.relpath(found, root)):
                 self.add(root, found)
 
@@ -111,8 +120,7 @@ class Selection:
 
     def excluded(self, rel):
         """Whether *rel* or one of its parent directories matches an exclusion."""
-        from fnmatch import fnmatch
-
+        fnmatch = own_module("fnmatch").fnmatch
         while rel and rel != "." and self.exclude:
             if any(fnmatch(rel, pattern) for pattern in self.exclude):
                 return True
@@ -144,13 +152,12 @@ class _Excluding:
         self.selection.exclude = self.saved
 
 
-def walk(path):
-    """Yield *path* and, for a real directory, everything below it."""
+def walk(path, files):
+    """Yield *path* and, for a real directory, everything below it (a view's)."""
     yield _os.path.abspath(path)
-    if _os.path.isdir(path) and not _os.path.islink(path):
-        for top, dirs, files in _os.walk(path):
-            for name in dirs + files:
-                yield _os.path.abspath(_os.path.join(top, name))
+    if files.isdir(path) and not files.islink(path):
+        for found in files.walk(path):
+            yield _os.path.abspath(found)
 
 
 def write(output, selection, fields):
@@ -166,6 +173,7 @@ def write(output, selection, fields):
     if not output.endswith(bundlefile.SUFFIX):
         raise StageError(f"bundle name {output!r} must end in {bundlefile.SUFFIX!r}")
     drop_escaping_links(selection, fields.get("kind", "packages"))
+    files = selection.files
     roots = [root_entry(selection, p) for p in selection.paths]
     manifest = {
         "kind": "packages",
@@ -176,7 +184,7 @@ def write(output, selection, fields):
         "roots": roots,
     }
     owned = [set(r.pop("_owned")) for r in roots]
-    with Writer(output) as writer:
+    with Writer(output, files) as writer:
         for index, path, member in selection.records():
             rel = member.rel
             writer.add(index, rel, member.source, member.data, rel in owned[index])
@@ -185,28 +193,27 @@ def write(output, selection, fields):
         for index, rel, target in selection.links:
             writer.add_link(index, rel, target)
         for index, root in enumerate(roots if fields.get("kind") != "env" else ()):
-            record_partial(root, partial_dirs({"members": writer.members}, index))
+            rels = partial_dirs({"members": writer.members}, index)
+            record_partial(root, rels, files)
         return writer.finish(manifest)
 
 
-def record_partial(entry, rels):
+def record_partial(entry, rels, files):
     """Record the listing and mtime of each directory held in part (no bytecode).
 
     A name absent from the staged copy is then looked for in the original
     only when the original holds it; the mtime tells when the listing is
     no longer true.
     """
-    from mpistage.runtime.roots import listing
-
     found = {}
     for rel in rels:
         if "__pycache__" in rel.split("/"):
             continue
         path = _os.path.join(entry["path"], rel)
-        if _os.path.isdir(path) and not _os.path.islink(path):
+        if files.isdir(path) and not files.islink(path):
             found[rel] = {
-                "mtime_ns": _os.stat(path).st_mtime_ns,
-                "listing": listing(path),
+                "mtime_ns": files.stat(path).st_mtime_ns,
+                "listing": files.listing(path),
             }
     if found:
         entry["partial"] = found
@@ -214,10 +221,11 @@ def record_partial(entry, rels):
 
 def incomplete(selection, index, path):
     """Whether the directory *path* has entries the selection left out."""
-    if _os.path.islink(path) or not _os.path.isdir(path):
+    files = selection.files
+    if files.islink(path) or not files.isdir(path):
         return False
     taken = selection.taken(selection.paths[index])
-    return any(_os.path.join(path, name) not in taken for name in _os.listdir(path))
+    return any(_os.path.join(path, name) not in taken for name in files.listdir(path))
 
 
 def drop_escaping_links(selection, kind):
@@ -233,10 +241,10 @@ def drop_escaping_links(selection, kind):
     entries = [{"dest": selection.dests[p]} if p in selection.dests else {}
                for p in selection.paths]  # fmt: skip
     bases = [bundlefile.base_of(entry, i) for i, entry in enumerate(entries)]
-    found, links = [], {}
+    found, links, files = [], {}, selection.files
     for index, path, member in selection.records():
-        if member.data is None and _os.path.islink(member.source):
-            target = _os.readlink(member.source)
+        if member.data is None and files.islink(member.source):
+            target = files.readlink(member.source)
             found.append((index, path, member.rel, target))
             links["/".join(bases[index] + member.rel.split("/"))] = target
     for index, rel, target in selection.links:
@@ -250,31 +258,35 @@ def drop_escaping_links(selection, kind):
 
 def root_entry(selection, root):
     """Describe a root for the manifest: path, listing, distributions."""
-    from mpistage.runtime.roots import in_stdlib, listing
+    from mpistage.runtime.roots import in_stdlib
 
-    entry = {"path": root, "listing": listing(root) if _os.path.isdir(root) else []}
-    if _os.path.isdir(root):
-        st = _os.stat(root)
+    files = selection.files
+    is_dir = files.isdir(root)
+    entry = {"path": root, "listing": files.listing(root) if is_dir else []}
+    if is_dir:
+        st = files.stat(root)
         entry["identity"] = [st.st_ino, st.st_mtime_ns]
     if root in selection.dests:
         entry["dest"] = selection.dests[root]
-    dists, owned = distributions(root, selection.taken(root))
+    dists, owned = distributions(root, selection.taken(root), files)
     if dists:
         entry["dists"] = dists
     if in_stdlib(root):
-        entry["stdlib"] = stamp(root)
+        entry["stdlib"] = stamp(root, files)
     entry["_owned"] = owned
     return entry
 
 
-def stamp(root):
+def stamp(root, files):
     """The identity of a standard library root: its ``os.py``, or itself."""
-    name = "os.py" if _os.path.exists(_os.path.join(root, "os.py")) else "."
-    st = _os.stat(_os.path.join(root, name))
+    if files.exists(_os.path.join(root, "os.py")):
+        name, st = "os.py", files.stat(_os.path.join(root, "os.py"))
+    else:
+        name, st = ".", files.stat(root)
     return [name, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def distributions(root, files):
+def distributions(root, taken, files):
     """Return the RECORD identities of the distributions that own bundled files.
 
     Every installed distribution of the root is looked at, bundled or not
@@ -284,46 +296,42 @@ def distributions(root, files):
     from mpistage.runtime.roots import METADATA_SUFFIXES
 
     dists, owned = {}, set()
-    rels = {_os.path.relpath(path, root) for path in files}
-    if not _os.path.isdir(root):
+    rels = {_os.path.relpath(path, root) for path in taken}
+    if not files.isdir(root):
         return dists, owned
-    for name in sorted(_os.listdir(root)):
+    for name in sorted(files.listdir(root)):
         record = _os.path.join(root, name, "RECORD")
-        if not name.endswith(METADATA_SUFFIXES) or not _os.path.isfile(record):
+        if not name.endswith(METADATA_SUFFIXES) or not files.isfile(record):
             continue
-        mine = record_paths(root, record) & rels
+        mine = record_paths(record, files) & rels
         if mine:
-            st = _os.stat(record)
+            st = files.stat(record)
             dists[name] = [st.st_ino, st.st_size, st.st_mtime_ns]
             owned |= mine
     return dists, owned
 
 
-def record_paths(root, record):
+def record_paths(record, files):
     """Return the root-relative paths a ``RECORD`` file lists, normalized."""
-    import csv
-
+    csv = own_module("csv")
+    text = b"".join(files.chunks(record)).decode("utf-8", errors="replace")
     found = set()
-    with open(record, newline="", encoding="utf-8", errors="replace") as f:
-        for row in csv.reader(f):
-            if row and row[0]:
-                rel = _os.path.normpath(row[0])
-                if not rel.startswith(".."):
-                    found.add(rel)
+    for row in csv.reader(text.splitlines()):
+        if row and row[0]:
+            rel = _os.path.normpath(row[0])
+            if not rel.startswith(".."):
+                found.add(rel)
     return found
 
 
 class Writer:
     """Stream members to a temporary file; add the manifest and header last."""
 
-    def __init__(self, path):
-        import tempfile
-
+    def __init__(self, path, files=None):
         self.path = _os.path.abspath(path)
+        self.files = files if files is not None else Files()
         try:
-            fd, self.tmp = tempfile.mkstemp(
-                dir=_os.path.dirname(self.path), prefix=".mpistage-", suffix=".tmp"
-            )
+            fd, self.tmp = make_temporary(_os.path.dirname(self.path))
         except OSError as exc:
             raise StageError(f"cannot write bundle {path!r}: {exc.strerror}") from None
         self.file = _os.fdopen(fd, "wb")
@@ -344,14 +352,14 @@ class Writer:
         *data*, when given, replaces the file's content (a relocated script
         or binary); its mode and mtime still come from *path*.
         """
-        st = _os.lstat(path)
+        st = self.files.lstat(path)
         member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
         member["mtime_ns"] = st.st_mtime_ns
         if "/" not in rel:  # a rename-replace in a root changes only the inode
             member["ino"] = st.st_ino
-        if _os.path.islink(path):
-            member.update(type="link", target=_os.readlink(path), size=0)
-        elif _os.path.isdir(path):
+        if _stat.S_ISLNK(st.st_mode):
+            member.update(type="link", target=self.files.readlink(path), size=0)
+        elif _stat.S_ISDIR(st.st_mode):
             member.update(type="dir", size=0)
         else:
             member.update(type="file", **self.copy(path, data))
@@ -367,7 +375,7 @@ class Writer:
     def copy(self, path, data=None):
         """Append a file's content (or *data*); return offset, size, digest."""
         offset, digest, size = self.file.tell(), bundlefile.sha256(), 0
-        chunks = [data] if data is not None else file_chunks(path)
+        chunks = [data] if data is not None else self.files.chunks(path)
         for chunk in chunks:
             digest.update(chunk)
             self.file.write(chunk)
@@ -376,10 +384,10 @@ class Writer:
 
     def finish(self, manifest):
         """Append *manifest* (plus the members), fill the header, rename."""
-        import json
-
+        json = own_module("json")
         manifest = dict(manifest, format=bundlefile.FORMAT, members=self.members)
-        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        with lend("json"):
+            raw = json.dumps(manifest, separators=(",", ":")).encode()
         offset = self.file.tell()
         self.file.write(raw)
         self.file.seek(0)
@@ -396,8 +404,19 @@ class Writer:
         return manifest
 
 
-def file_chunks(path):
-    """Yield the content of the file at *path* in pieces."""
-    with open(path, "rb") as src:
-        while chunk := src.read(COPY_SIZE):
-            yield chunk
+def make_temporary(folder):
+    """Create a new file for the bundle in *folder*; return (fd, path).
+
+    What ``tempfile.mkstemp`` does, without importing ``tempfile`` (and
+    ``random``, ``shutil``...) into a program that is done.
+    """
+    import errno
+
+    for _ in range(100):
+        path = _os.path.join(folder, f".mpistage-{_os.urandom(6).hex()}.tmp")
+        flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC
+        try:
+            return _os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, "no free temporary name", folder)

@@ -17,6 +17,24 @@ files mapped into the process (``/proc/self/maps``: extension modules and
 the shared libraries they link) are added. Paths are normalized, so a data
 file reached as ``pkg/../data/x`` counts as ``data/x``.
 
+A replay needs more than what was read, and must not get what the program
+wrote. A stat is no audit event, so while it records, ``os.stat``,
+``os.lstat`` and ``os.access`` (and with them ``os.path.exists``,
+``isfile``, ``pathlib``...) note the paths the program *checked*: torch
+only checks that ``torch/bin/torch_shm_manager`` exists, and fails to
+import without it. The audit hook also notes what the program *wrote*
+(files opened for writing or created, renamed, linked or truncated into
+place, directories made): the builder takes none of it, nor makes a root
+of a directory it wrote into (:class:`mpistage.bundle.record.Written`).
+
+After the program, rank 0 builds the bundle in its own process, from the
+node's copy and what the live reader learned while serving (listings,
+identities, staleness facts: :class:`mpistage.bundle.files.Known`): no
+process starts from the shared file system, and nothing the run read is
+looked at again. The bundle writer's modules are read relative to their
+directory (:func:`mpistage.load_local`), its standard library modules are
+mpistage's own copies (:func:`mpistage.own_module`).
+
 The cache directory may sit on a shared file system used by many jobs at
 once: a bundle is written to a temporary file in the same directory and
 renamed into place, so readers never see a partial file, two jobs writing
@@ -123,61 +141,118 @@ def start_recording():
     return Recorder()
 
 
+UNITED = ("files", "listed", "checked", "written", "made", "start_path")
+
+
 def merge(a, b):
     """Union of two usages (the reduction operator of :func:`save`)."""
     copies = {**a.get("copies", {}), **b.get("copies", {})}
-    files = sorted(set(a["files"]) | set(b["files"]))
-    listed = sorted(set(a.get("listed", [])) | set(b.get("listed", [])))
-    return dict(a, files=files, listed=listed, copies=copies)
+    united = {k: sorted(set(a.get(k, [])) | set(b.get(k, []))) for k in UNITED}
+    started = [u["started_ns"] for u in (a, b) if u.get("started_ns")]
+    return dict(a, **united, copies=copies, started_ns=min(started, default=None))
 
 
 def save(comm, recorder, path, args, live=None):
-    """Reduce every rank's usage to rank 0, which has the bundle built (collective).
+    """Reduce every rank's usage to rank 0, which builds the bundle (collective).
 
-    Rank 0 writes the union to a file beside the cached bundle and runs
-    ``mpistage record --usage FILE`` on it, in a process of its own: the
-    bundle is made by the tool that makes bundles, with none of the
-    program's modules around. After live imports (*live*), paths in a
-    node's copy count as their originals, and rank 0 adds every file the
-    reader served.
+    After live imports (*live*), paths in a node's copy count as their
+    originals, and rank 0 adds every file the reader served, builds from
+    node 0's copy and what the reader learned, at file granularity; without
+    them (``MPISTAGE_LIVE=no``), whole packages from the file system. A
+    failure is agreed: one line on rank 0, on every rank the same error.
     """
     from mpistage.runtime.collective import attempt
 
+    served = live is not None and live.mode == "live"
+
     def usage():
-        if live is None or live.mode != "live":
+        if not served:
             return recorder.usage()
-        return live.usage(recorder.usage(served=live.served_modules()))
+        found = live.usage(recorder.usage(served=live.served_modules()))
+        checked = {live.original(p) for p in found["checked"]} - {None}
+        return dict(found, checked=sorted(checked))
 
     usage = comm.reduce(attempt(comm, usage), op=merge, root=0)
     if comm.rank == 0:
         usage.update(created_by="auto", processes=comm.size)
         usage["command"] = ["python", "-m", "mpistage", "--auto", *args]
-    attempt(comm, lambda: build(path, usage) if comm.rank == 0 else None)
+    reader = live.relay.reader if served and live.relay is not None else None
+    attempt(comm, lambda: build(path, usage, reader) if comm.rank == 0 else None)
 
 
-def build(path, usage):
-    """Rank 0: write *usage* beside *path*, then build the bundle from it."""
-    import subprocess
+def build(path, usage, reader=None):
+    """Rank 0: build the bundle of *usage* at *path*, in this process.
 
-    from mpistage import lend, own_module
+    With the live *reader*, from what it learned and node 0's copy (file
+    granularity); else from the file system (whole packages).
+    """
+    from mpistage import load_local
 
-    json, tempfile = own_module("json"), own_module("tempfile")
-    folder = _os.path.dirname(path)
-    fd, saved = tempfile.mkstemp(dir=folder, prefix=".mpistage-usage-", suffix=".json")
+    load_local("mpistage.bundle", ("__init__", "files", "writer", "pack", "record"))
+    from mpistage.bundle import record
+
+    extra = {"command": usage.get("command", []), "processes": usage.get("processes")}
+    files = learned(reader, usage.get("copies", {})) if reader is not None else None
+    granularity = "file" if files is not None else "package"
     try:
-        with _os.fdopen(fd, "w") as f, lend("json"):
-            json.dump(usage, f)
-        command = [_sys.executable, "-m", "mpistage", "record", "--usage", saved]
-        if usage.get("copies"):  # what a live run served, read from node 0's copy
-            command += ["--granularity", "file"]
-        done = subprocess.run(
-            [*command, "-o", path], cwd=folder, capture_output=True, text=True
-        )
+        record.build(path, [usage], granularity, "auto", extra, files=files)
+    except (OSError, StageError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise StageError(f"cannot save the --auto bundle {path!r}: {why}") from None
     finally:
-        _os.unlink(saved)
-    if done.returncode:
-        why = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise StageError(f"cannot save the --auto bundle {path!r}: {why}")
+        if reader is not None:
+            reader.close()
+
+
+def learned(reader, copies):
+    """Return the view of the files that the live *reader* learned, with *copies*."""
+    from mpistage.bundle.files import Known
+
+    listings, stats, links = reader.facts()
+    return Known(listings, stats, links, copies, ReaderFiles(reader))
+
+
+class ReaderFiles:
+    """The originals, reached relative to the live reader's directory descriptors.
+
+    What the reader did not learn is asked this way: a lookup and a stat
+    relative to an open directory, not a walk of the whole path.
+    """
+
+    def __init__(self, reader):
+        self.reader = reader
+
+    def lstat(self, path):
+        """``os.lstat`` of *path*, relative to its directory's descriptor."""
+        folder, name = _os.path.split(path)
+        return _os.stat(name, dir_fd=self.reader.dir_fd(folder), follow_symlinks=False)
+
+    def stat(self, path):
+        """``os.stat`` of *path*, relative to its directory's descriptor."""
+        folder, name = _os.path.split(path)
+        if not name:
+            return _os.stat(path)
+        return _os.stat(name, dir_fd=self.reader.dir_fd(folder))
+
+    def listing(self, path):
+        """The entries of the directory *path* (directories with ``/``)."""
+        from mpistage.runtime.live.reader import LIST_FLAGS
+        from mpistage.runtime.roots import listing
+
+        return listing(self.reader.dir_fd(path, LIST_FLAGS))
+
+    def readlink(self, path):
+        """``os.readlink`` of *path*, relative to its directory's descriptor."""
+        folder, name = _os.path.split(path)
+        return _os.readlink(name, dir_fd=self.reader.dir_fd(folder))
+
+    def chunks(self, path):
+        """The content of the file *path*, read once (one piece)."""
+        folder, name = _os.path.split(path)
+        got = self.reader.read(folder, name)
+        if got is None:
+            raise OSError(2, "cannot read", path)
+        return [got[0]]
 
 
 # -- recording ---------------------------------------------------------------------
@@ -187,22 +262,49 @@ class Recorder:
     """Notes the files this process uses; see the module docstring."""
 
     def __init__(self):
-        self.paths, self.listed = set(), set()
+        import time
+
+        self.paths, self.listed, self.checked = set(), set(), set()
+        self.written, self.made = set(), set()
         self.active = True
+        self.started_ns = time.time_ns()
+        self.start_path = [_os.path.abspath(p or ".") for p in _sys.path]
         # Loaded before any runner can act (.pth hooks, the runner itself):
         # staging them would not help, so they are not recorded.
         self.preloaded = set(_sys.modules)
         _sys.addaudithook(self.hook)
+        self.checks = watch_checks(self)
 
     def hook(self, event, args):
-        """Audit hook: remember paths opened for reading, listed or dlopened."""
+        """Audit hook: remember paths opened for reading, listed or dlopened.
+
+        And what the program wrote: files opened for writing or put in
+        place, directories made.
+        """
         if not self.active:
             return
         kind, path = read_of(event, args)
-        if kind is None or (kind == "listing" and by_import_system()) or by_us():
+        if kind is None:
+            kind, path = write_of(event, args)
+        if kind is None or by_us() or (kind != "open" and by_import_system()):
             return
         path = _os.path.normpath(_os.path.abspath(path))
-        (self.listed if kind == "listing" else self.paths).add(path)
+        found = {"listing": self.listed, "written": self.written, "made": self.made}
+        found.get(kind, self.paths).add(path)
+
+    def check(self, path):
+        """Note that the program checked *path* (a stat, an access)."""
+        if self.active and not by_us_checking():
+            path = _os.fsdecode(path)
+            self.checked.add(_os.path.normpath(_os.path.abspath(path)))
+
+    def stop(self):
+        """Stop recording; put the checks back."""
+        self.active = False
+        for name, check in self.checks.items():
+            if getattr(_os, name, None) is check:
+                setattr(_os, name, check.__wrapped__)
+        self.checks = {}
 
     def usage(self, served=()):
         """Stop recording; return what was used, as JSON-ready data.
@@ -213,7 +315,7 @@ class Recorder:
         """
         from mpistage.runtime.bundlefile import python_tag
 
-        self.active = False
+        self.stop()
         paths = self.paths | mapped_files()
         paths |= module_files(self.preloaded | set(served))
         paths = originals(paths)
@@ -224,7 +326,113 @@ class Recorder:
             "sys_path": entries,
             "files": sorted(paths),
             "listed": sorted(self.listed),
+            "checked": sorted(originals(self.checked) - paths),
+            "written": sorted(self.written),
+            "made": sorted(self.made),
+            "start_path": sorted(set(self.start_path) | script_dir()),
+            "started_ns": self.started_ns,
         }
+
+
+# event: (kind, index of the path, index of its directory descriptor)
+WRITE_EVENTS = {
+    "os.rename": ("written", 1, 3),  # os.replace too
+    "os.link": ("written", 1, 3),
+    "os.symlink": ("written", 1, 2),
+    "os.truncate": ("written", 0, None),
+    "os.mkdir": ("made", 0, 2),
+}
+CHECKS = ("stat", "lstat", "access")
+
+
+def write_of(event, args):
+    """Return (kind, path) of an audit event that writes a path, else (None, None).
+
+    Kinds: ``written`` (a file opened for writing or created, the target of
+    a rename, link or symlink, a file truncated) and ``made`` (``os.mkdir``).
+    A path relative to a directory descriptor is not followed.
+    """
+    from mpistage.runtime.report import writes
+
+    if event == "open" and len(args) == 3 and writes(args):
+        kind, path, fd = "written", args[0], None
+    elif event in WRITE_EVENTS and len(args) > WRITE_EVENTS[event][1]:
+        kind, at, fd_at = WRITE_EVENTS[event]
+        path, fd = args[at], args[fd_at] if fd_at is not None else None
+    else:
+        return None, None
+    if isinstance(path, bytes):
+        path = _os.fsdecode(path)
+    if not isinstance(path, str) or fd not in (None, -1) and not _os.path.isabs(path):
+        return None, None
+    return kind, path
+
+
+def watch_checks(recorder):
+    """Make ``os.stat``, ``os.lstat`` and ``os.access`` tell *recorder*; return them.
+
+    ``os.path`` and ``pathlib`` call them through the ``os`` module, so
+    their checks are seen too. A descriptor, or a path relative to one, is
+    not noted.
+    """
+    found = {}
+    for name in CHECKS:
+        found[name] = checking(getattr(_os, name), recorder)
+        setattr(_os, name, found[name])
+    return found
+
+
+def checking(real, recorder):
+    """Return *real* (``os.stat``...) that first tells *recorder* what it checks."""
+
+    def check(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is None and isinstance(path, (str, bytes)):
+            recorder.check(path)
+        elif isinstance(path, _os.PathLike) and kwargs.get("dir_fd") is None:
+            recorder.check(_os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    check.__wrapped__ = real
+    check.__name__, check.__doc__ = real.__name__, real.__doc__
+    return check
+
+
+def by_us_checking():
+    """Whether a check came from mpistage or the import system, not the program.
+
+    The standard library functions in between (``os.path.exists``,
+    ``pathlib``) are looked through.
+    """
+    try:
+        frame = _sys._getframe(3)  # past check(), Recorder.check() and this
+    except ValueError:
+        return True
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith((OWN_CODE, "<frozen importlib")):
+            return True
+        if not in_stdlib_code(name):
+            return False
+        frame = frame.f_back
+    return True
+
+
+def in_stdlib_code(filename):
+    """Whether code of *filename* is the standard library's (frozen included)."""
+    if filename.startswith("<frozen "):
+        return True
+    return filename.startswith(STDLIB) and "-packages" + _os.sep not in filename
+
+
+STDLIB = _os.path.dirname(_os.__file__) + _os.sep
+
+
+def script_dir():
+    """Return the directory of the script being run, as a set (none: empty)."""
+    script = _sys.argv[0] if _sys.argv else ""
+    if script and script not in ("-c", "-m") and _os.path.isfile(script):
+        return {_os.path.dirname(_os.path.realpath(script))}
+    return set()
 
 
 def by_import_system():

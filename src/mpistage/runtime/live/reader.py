@@ -23,6 +23,13 @@ Everything is reached relative to directory descriptors opened once
 open, not a walk of its whole path: this is what keeps rank 0 below plain
 python's operations although it reads for every node.
 
+With *sources* (an ``--auto`` learning run) the reader also keeps what it
+learned on the way, for the bundle built at the end (:meth:`Reader.facts`):
+the stat of every file it read or stat'ed (from the ``fstat`` of the open
+file, no extra lookup), of every directory it listed (one ``fstat`` of the
+descriptor it listed, so that the identity matches the listing), and which
+entries of a listing are symlinks (from the entry's type, no stat).
+
 Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode,
 mtime_ns, needs)``; ``entries`` is ``None`` (no such directory), ``False``
 (not a directory) or the sorted entries, directories ending in ``/``
@@ -46,13 +53,14 @@ class Reader:
     """The reader's view of the originals: listings, files sent, descriptors.
 
     With *sources*, a module's source is sent with its valid bytecode (an
-    ``--auto`` learning run bundles both).
+    ``--auto`` learning run bundles both), and the facts it learns are kept.
     """
 
     def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
         self.unread = set()  # files sent as unreadable: the ranks read originals
         self.sources = sources
+        self.stats, self.links = {}, set()  # kept when learning (sources)
         self.counts = {"listings": 0, "files": 0, "bytes": 0}
 
     def items(self, key):
@@ -186,16 +194,39 @@ class Reader:
         try:
             fd = self.dir_fd(path, LIST_FLAGS)
             with _os.scandir(fd) as found:
-                return tuple(sorted(listed_entry(e) for e in found))
+                found = list(found)
+                entries = sorted(listed_entry(e) for e in found)
+            if self.sources:
+                self.learn(path, _os.fstat(fd), found)
+            return tuple(entries)
         except OSError as exc:
             return False if exc.errno == errno.ENOTDIR else None
+
+    def learn(self, path, st, entries=()):
+        """Keep the stat of *path* (and its symlinked entries) for ``--auto``."""
+        self.stats[path] = st
+        for entry in entries:
+            if entry.is_symlink():  # the entry's type: no stat
+                self.links.add(f"{path}/{entry.name}")
+
+    def facts(self):
+        """Return what the reader learned: listings, stats and symlinks by path.
+
+        Listings are in the one form of :func:`~mpistage.runtime.roots.listing`
+        (directories end in ``/``; the marks of other entries taken off).
+        """
+        listings = {path: plain(known[0]) for path, known in self.listings.items()}
+        return listings, self.stats, self.links
 
     def stat(self, folder, name):
         """Return the stat of *name* in *folder*, or ``None``."""
         try:
-            return _os.stat(name, dir_fd=self.dir_fd(folder))
+            st = _os.stat(name, dir_fd=self.dir_fd(folder))
         except OSError:
             return None
+        if self.sources:
+            self.learn(f"{folder}/{name}", st)
+        return st
 
     def read(self, folder, name):
         """Return (bytes, mode, mtime_ns) of the regular file *name*, or ``None``."""
@@ -216,6 +247,8 @@ class Reader:
             _os.close(fd)
         self.counts["files"] += 1
         self.counts["bytes"] += len(data)
+        if self.sources:
+            self.learn(f"{folder}/{name}", st)
         return data, st.st_mode, st.st_mtime_ns
 
     def dir_fd(self, path, flags=PATH_FLAGS):
@@ -259,6 +292,15 @@ class Reader:
         for fd, _flags in self.fds.values():
             _os.close(fd)
         self.fds = {}
+
+
+def plain(entries):
+    """Return listing *entries* without the marks of what is no file or dir."""
+    from mpistage.runtime.live.finder import entry_name
+
+    if not entries:
+        return entries
+    return tuple(e if e.endswith("/") else entry_name(e) for e in entries)
 
 
 def listed_entry(entry):

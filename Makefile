@@ -25,13 +25,16 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests benchmarks bin
 
 # The launcher tier's systems: a two-node Slurm cluster on this machine
-# (scripts/slurm-cluster) and a venv whose mpi4py is built against Debian's
-# Open MPI (scripts/openmpi-venv). Both need root and the Debian packages;
-# without them the tier skips itself, with one line.
+# (scripts/slurm-cluster) and two venvs whose mpi4py is built from source
+# against Debian's Open MPI and MPICH (scripts/source-venv openmpi|mpich).
+# They need root and the Debian packages; without them the tier skips
+# itself, with one line.
 launchers: venv system
 	@if [ "$$(id -u)" -eq 0 ] && command -v slurmd >/dev/null && \
 	    command -v mpicc.openmpi >/dev/null; then \
-	  ./scripts/slurm-cluster up && ./scripts/openmpi-venv >/dev/null; fi
+	  ./scripts/slurm-cluster up && ./scripts/source-venv openmpi >/dev/null; fi
+	@if [ "$$(id -u)" -eq 0 ] && command -v mpicc.mpich >/dev/null; then \
+	  ./scripts/source-venv mpich >/dev/null; fi
 
 test: venv system lint launchers
 	$(PY) -m pytest -q

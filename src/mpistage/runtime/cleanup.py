@@ -42,6 +42,7 @@ WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
 SIGNALS = ("SIGTERM", "SIGHUP")
 COLLECT_TRIES, COLLECT_PAUSE = 50, 0.002  # a watchdog gets 0.1 s to end
 _guarded = {}
+_forks = []  # whether forked children are told to drop the handlers
 
 
 class Guard:
@@ -77,11 +78,26 @@ def spawn_watchdog(path):
 
 def guard(root):
     """Protect the staging *root* on every exit path (leaders)."""
+    if not _forks:
+        _forks.append(_os.register_at_fork(after_in_child=default_signals))
     _guarded[root.path] = Guard(root)
     for name in SIGNALS:
         sig = getattr(_signal, name)
         if _signal.getsignal(sig) in (_signal.SIG_DFL, None):
             _signal.signal(sig, on_signal)
+
+
+def default_signals():
+    """In a forked child: the signals end it as they would without mpistage.
+
+    The copies are the parent's; and a ``multiprocessing`` worker blocked on
+    its queue's lock may never run a Python handler, so ``Pool.terminate``
+    would wait for it for ever.
+    """
+    for name in SIGNALS:
+        sig = getattr(_signal, name)
+        if _signal.getsignal(sig) is on_signal:
+            _signal.signal(sig, _signal.SIG_DFL)
 
 
 def release(root):

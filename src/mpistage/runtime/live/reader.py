@@ -18,6 +18,11 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
   directories (:func:`origin_dirs`);
 - ``("f", path)``: one file: metadata, a resource, a source on demand.
 
+In an ``--auto`` learning run (*sources*), the source of a module whose
+bytecode is valid is read for the bundle, which is built from node 0's
+copy: it is kept there (an item of kind ``"k"``, not pushed to the other
+nodes), and goes to every node only if a rank asks for it.
+
 Everything is reached relative to directory descriptors opened once
 (``O_PATH`` where nothing is listed), so a file costs its own lookup and
 open, not a walk of its whole path: this is what keeps rank 0 below plain
@@ -42,6 +47,7 @@ import os as _os
 
 from mpistage.nodeelf import elf_dynamic, expand_origin
 
+KEEP = "k"  # an item written on the reader's node only (see Reader.source)
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
 PATH_FLAGS = _os.O_PATH | _os.O_DIRECTORY | _os.O_CLOEXEC
@@ -52,13 +58,15 @@ FILE_FLAGS = _os.O_RDONLY | _os.O_NONBLOCK | _os.O_CLOEXEC
 class Reader:
     """The reader's view of the originals: listings, files sent, descriptors.
 
-    With *sources*, a module's source is sent with its valid bytecode (an
-    ``--auto`` learning run bundles both), and the facts it learns are kept.
+    With *sources*, a module's source is read with its valid bytecode and
+    kept on node 0 (an ``--auto`` learning run bundles both), and the facts
+    it learns are kept.
     """
 
     def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
         self.unread = set()  # files sent as unreadable: the ranks read originals
+        self.kept = set()  # sources kept on the reader's node only (--auto)
         self.sources = sources
         self.stats, self.links = {}, set()  # kept when learning (sources)
         self.counts = {"listings": 0, "files": 0, "bytes": 0}
@@ -109,8 +117,11 @@ class Reader:
         verdict = bytecode_verdict(got and got[0], st)
         if verdict != "stale":
             self.add_file(cached, got, out)
-        if verdict != "valid" or self.sources:
+        if verdict != "valid":
             self.file(path, out)
+        elif self.sources:  # for the bundle only: node 0's copy holds it
+            self.kept.add(path)
+            self.add_file(path, self.read(folder, name), out, kind=KEEP)
 
     def extension(self, path, out):
         """Add an extension, after the libraries it needs from ``$ORIGIN``."""
@@ -154,18 +165,19 @@ class Reader:
     # -- files and listings --------------------------------------------------
 
     def file(self, path, out):
-        """Add the file *path* (once)."""
-        if path not in self.sent:
+        """Add the file *path* (once; a source kept on node 0 goes to all now)."""
+        if path not in self.sent or path in self.kept:
+            self.kept.discard(path)
             folder, name = _os.path.split(path)
             self.add_file(path, self.read(folder, name), out)
 
-    def add_file(self, path, got, out, needs=()):
-        """Add a read file (or ``None``: unreadable) as an item."""
+    def add_file(self, path, got, out, needs=(), kind="f"):
+        """Add a read file (or ``None``: unreadable) as an item of *kind*."""
         self.sent.add(path)
         if not got:
             self.unread.add(path)
         data, mode, mtime = got if got else (None, 0, None)
-        out.append(("f", path, data, mode, mtime, needs))
+        out.append((kind, path, data, mode, mtime, needs))
 
     def listing(self, path, out, again=False):
         """Return the listing of *path*; add it as an item when (re)read.

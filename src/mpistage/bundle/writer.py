@@ -196,7 +196,7 @@ def record_partial(entry, rels):
     only when the original holds it; the mtime tells when the listing is
     no longer true.
     """
-    from mpistage.runtime.roots import listing
+    from mpistage.runtime.roots import entries_digest, listing
 
     found = {}
     for rel in rels:
@@ -207,6 +207,7 @@ def record_partial(entry, rels):
             found[rel] = {
                 "mtime_ns": _os.stat(path).st_mtime_ns,
                 "listing": listing(path),
+                "entries": entries_digest(path),
             }
     if found:
         entry["partial"] = found
@@ -250,7 +251,7 @@ def drop_escaping_links(selection, kind):
 
 def root_entry(selection, root):
     """Describe a root for the manifest: path, listing, distributions."""
-    from mpistage.runtime.roots import in_stdlib, listing
+    from mpistage.runtime.roots import entries_digest, in_stdlib, listing
 
     entry = {"path": root, "listing": listing(root) if _os.path.isdir(root) else []}
     if _os.path.isdir(root):
@@ -263,6 +264,7 @@ def root_entry(selection, root):
         entry["dists"] = dists
     if in_stdlib(root):
         entry["stdlib"] = stamp(root)
+        entry["entries"] = entries_digest(root)
     entry["_owned"] = owned
     return entry
 
@@ -344,6 +346,8 @@ class Writer:
         *data*, when given, replaces the file's content (a relocated script
         or binary); its mode and mtime still come from *path*.
         """
+        from mpistage.runtime.roots import entries_digest
+
         st = _os.lstat(path)
         member = {"rel": rel, "root": root, "mode": st.st_mode & 0o7777}
         member["mtime_ns"] = st.st_mtime_ns
@@ -352,7 +356,7 @@ class Writer:
         if _os.path.islink(path):
             member.update(type="link", target=_os.readlink(path), size=0)
         elif _os.path.isdir(path):
-            member.update(type="dir", size=0)
+            member.update(type="dir", size=0, entries=entries_digest(path))
         else:
             member.update(type="file", **self.copy(path, data))
         if owned:

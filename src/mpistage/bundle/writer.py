@@ -31,7 +31,7 @@ from mpistage.runtime import bundlefile
 COPY_SIZE = 1 << 20
 # Never bundled: bundles, the writer's temporaries, and names at the top of a
 # root that a staging directory reserves for mpistage's own files.
-BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", bundlefile.RESERVED + "*")
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", "/" + bundlefile.RESERVED + "*")
 
 
 class Member:
@@ -110,14 +110,15 @@ class Selection:
         self.links.append((self.index(root), rel, target))
 
     def excluded(self, rel):
-        """Whether *rel* or one of its parent directories matches an exclusion."""
-        from fnmatch import fnmatch
+        """Whether *rel* or one of its parent directories matches an exclusion.
 
-        while rel and rel != "." and self.exclude:
-            if any(fnmatch(rel, pattern) for pattern in self.exclude):
-                return True
-            rel = _os.path.dirname(rel)
-        return False
+        Patterns match path components (:mod:`mpistage.bundle.globs`).
+        """
+        from mpistage.bundle.globs import excludes
+
+        if not rel or rel == ".":
+            return False
+        return any(excludes(pattern, rel) for pattern in self.exclude)
 
     def excluding(self, patterns):
         """A context in which *patterns* are excluded too."""

@@ -43,6 +43,7 @@ module runs before MPI in every rank, so it is read the cheap way
 """
 
 import os as _os
+import sys as _sys
 import time as _time
 
 from mpistage import StageError
@@ -116,6 +117,8 @@ def plain_import(start):
     """Import mpi4py the usual way (a rank with no usable copy)."""
     from mpi4py import MPI
 
+    for name in entry_modules():
+        __import__(name)
     state.seconds = _time.perf_counter() - start
     return MPI
 
@@ -455,6 +458,26 @@ def serve(place, record):
     server.install()
     try:
         from mpi4py import MPI
+
+        for name in entry_modules():
+            __import__(name)
     finally:
         server.remove()
     return MPI
+
+
+ENTRY_POINTS = {"mpi4py": ("mpi4py.run",), "mpi4py.run": ("mpi4py.run",)}
+
+
+def entry_modules(argv=None):
+    """Return the modules the runner's ``-m`` target imports before the program.
+
+    ``python -m mpi4py app.py`` and ``mpistage ... -m mpi4py app.py`` run
+    ``mpi4py.run``; the node boot brings it with mpi4py, so that it is
+    served from the node's copy, never looked for in the originals by
+    every rank once the bundle's finders are in place.
+    """
+    argv = _sys.argv if argv is None else argv
+    if "-m" not in argv[1:-1]:
+        return ()
+    return ENTRY_POINTS.get(argv[argv.index("-m", 1) + 1], ())

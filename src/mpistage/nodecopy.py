@@ -95,6 +95,19 @@ def describe(error):
     return one_line(error)
 
 
+def import_entry():
+    """Import what the target's entry point runs before the program, if any.
+
+    ``-m mpi4py`` (the documented ``python -m mpi4py app.py``) runs
+    ``mpi4py.run`` first: imported here, it is left for the node with the
+    rest, and every rank has it before the runner's finders take over.
+    """
+    from mpistage.nodeboot import entry_modules
+
+    for name in entry_modules():
+        __import__(name)
+
+
 def import_unstarted():
     """Import ``mpi4py.MPI`` without ``MPI_Init``; return it and what starts MPI.
 
@@ -112,6 +125,8 @@ def import_unstarted():
     rc.finalize = initialize if finalize is None else finalize
     try:
         from mpi4py import MPI
+
+        import_entry()
     finally:
         rc.initialize, rc.finalize = initialize, finalize
 

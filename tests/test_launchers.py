@@ -215,16 +215,22 @@ def test_runner_counts_nodes_of_an_arbitrary_placement(slurm, tmp_path):
 
     Under ``-m arbitrary`` the MPICH wheel sees every rank as a node of its
     own; the report must say 2 nodes for a 2-node step, with one copy each.
+    ``mpistage.data`` still shares memory only where MPI can.
     """
     hosts = tmp_path / "hosts"
     hosts.write_text("n1\nn1\nn1\nn2\n")
-    (tmp_path / "ok.py").write_text("from mpi4py import MPI\n")
+    (tmp_path / "blob").write_bytes(bytes(range(256)) * 16)
+    (tmp_path / "ok.py").write_text(
+        "import sys\nfrom mpi4py import MPI\nimport mpistage.data\n"
+        "buf = mpistage.data.read(sys.argv[1], comm=MPI.COMM_WORLD)\n"
+        "assert len(buf) == 4096 and bytes(buf.view[:3]) == bytes([0, 1, 2])\n"
+    )
     report = tmp_path / "report.json"
     env = dict(slurm, MPISTAGE_REPORT=str(report))
     runner = [PYTHON, Path(PYTHON).parent / "mpistage"]
     srun = ["salloc", "-N", "2", "--quiet", "env", f"SLURM_HOSTFILE={hosts}"]
     srun += ["srun", "-m", "arbitrary", "-n", "4"]
-    result = run([*srun, *runner, tmp_path / "ok.py"], env=env)
+    result = run([*srun, *runner, tmp_path / "ok.py", tmp_path / "blob"], env=env)
     assert result.returncode == 0, result
     data = json.loads(report.read_text())
     assert (data["ranks"], data["nodes"]) == (4, 2), data

@@ -10,7 +10,8 @@ and MPI's own view may be wrong: with ``srun -m arbitrary`` the MPICH
 wheel takes every rank for a node of its own. So when every rank has a
 Slurm node id, nodes are the ranks with the same id and the same host
 name (a variable passed on to other hosts by a launcher never merges two
-hosts).
+hosts). Shared-memory windows need MPI's own view: ``discover(world,
+shared=True)``.
 """
 
 import os as _os
@@ -74,15 +75,20 @@ def emulated_nodes(size, value=None):
     return count
 
 
-def discover(world):
-    """Split *world* into nodes and return the job's :class:`Topology`."""
+def discover(world, shared=False):
+    """Split *world* into nodes and return the job's :class:`Topology`.
+
+    With *shared*, nodes are what MPI can share memory within
+    (``Split_type`` SHARED), whatever the launcher says: the nodes of
+    :mod:`mpistage.data`'s shared-memory windows.
+    """
     from mpi4py import MPI
 
     count = emulated_nodes(world.size)
     if count:
         index = world.rank * count // world.size
         node = world.Split(index, world.rank)
-    elif world.allreduce(slurm_node() is not None, op=MPI.LAND):
+    elif not shared and world.allreduce(slurm_node() is not None, op=MPI.LAND):
         node = by_launcher(world)
     else:
         node = world.Split_type(MPI.COMM_TYPE_SHARED, world.rank)

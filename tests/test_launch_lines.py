@@ -49,19 +49,28 @@ def stage_prefix(line, launcher=None):
 @pytest.mark.parametrize(
     "line,prefix",
     [
-        ("srun -n 12", "srun -N 3 -n 3 --ntasks-per-node=1"),
-        ("srun -n12 --mpi=pmix", "srun -N 3 -n 3 --ntasks-per-node=1 --mpi=pmix"),
-        ("srun -N 1 -n 4 --mpi pmi2", "srun -N 3 -n 3 --ntasks-per-node=1 --mpi pmi2"),
-        ("srun -w n2 -n 2", "srun -N 3 -n 3 --ntasks-per-node=1"),
-        ("srun -x n[1-2] -n 2", "srun -N 1 -n 1 --ntasks-per-node=1 -x n[1-2]"),
+        ("srun -n 12", "srun -N 3 -n 3 --ntasks-per-node=1 --overlap"),
+        (
+            "srun -n12 --mpi=pmix",
+            "srun -N 3 -n 3 --ntasks-per-node=1 --overlap --mpi=pmix",
+        ),
+        (
+            "srun -N 1 -n 4 --mpi pmi2",
+            "srun -N 3 -n 3 --ntasks-per-node=1 --overlap --mpi pmi2",
+        ),
+        ("srun -w n2 -n 2", "srun -N 3 -n 3 --ntasks-per-node=1 --overlap"),
+        (
+            "srun -x n[1-2] -n 2",
+            "srun -N 1 -n 1 --ntasks-per-node=1 --overlap -x n[1-2]",
+        ),
         (
             "srun --ntasks-per-node=4 -c 2 --cpu-bind=cores -p big -t 10 --export=ALL",
-            "srun -N 3 -n 3 --ntasks-per-node=1 --export=ALL",
+            "srun -N 3 -n 3 --ntasks-per-node=1 --overlap --export=ALL",
         ),
-        ("srun -n 4 -o out.txt -l", "srun -N 3 -n 3 --ntasks-per-node=1 -l"),
+        ("srun -n 4 -o out.txt -l", "srun -N 3 -n 3 --ntasks-per-node=1 --overlap -l"),
         (
             "srun -n 4 env OMP_NUM_THREADS=1",
-            "srun -N 3 -n 3 --ntasks-per-node=1 env OMP_NUM_THREADS=1",
+            "srun -N 3 -n 3 --ntasks-per-node=1 --overlap env OMP_NUM_THREADS=1",
         ),
     ],
 )
@@ -91,6 +100,7 @@ def test_srun_outside_an_allocation_makes_one(environ):
         "-n",
         "2",
         "--ntasks-per-node=1",
+        "--overlap",
         "--mpi=pmix",
     ]
 
@@ -258,3 +268,18 @@ def test_run_refuses_before_launching_anything(environ, tmp_path):
     to = str(tmp_path / "n{node}")
     with pytest.raises(StageError, match="is for emulated nodes"):
         main(["--env", "e.mpistage", "--to", to, "--", "srun", "python", "x.py"])
+
+
+def test_srun_arbitrary_allocates_the_host_files_nodes(environ, tmp_path):
+    """``-m arbitrary``: ``salloc`` gets the file's distinct nodes, never the file."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n1\nn1\nn1\nn2\n")
+    environ({"SLURM_HOSTFILE": str(hosts), "PATH": "/usr/bin:/bin"})
+    launch = understand("srun -m arbitrary -n 4 -p debug python app.py".split())
+    assert launch.allocation() == [
+        "salloc", "--quiet", "-n", "4", "-p", "debug", "-N", "2", "-w", "n1,n2",
+        "env", f"SLURM_HOSTFILE={hosts}",
+    ]  # fmt: skip
+    assert "SLURM_HOSTFILE" not in launch.step_environ()
+    plain = understand("srun -n 4 python app.py".split())
+    assert plain.allocation() == "salloc --quiet -n 4".split()

@@ -35,6 +35,7 @@ from launchertools import (
     bring_up,
     errors,
     finish,
+    kill_session,
     launcher_env,
     missing,
     on_node,
@@ -143,7 +144,7 @@ def test_sbatch_job_script(slurm, env_bundle, shared, app, out, tmp_path):
 
     results = rank_results(out, 4)
     folder = staged_dir(results)
-    assert folder == Path(f"/dev/shm/mpistage-env-{os.getuid()}-{job}"), folder
+    assert folder.name.startswith(f"mpistage-env-{os.getuid()}-{job}."), folder
     assert_on_own_node(results, folder)
     assert sorted(r["node"] for r in results) == ["n1", "n1", "n2", "n2"]
     assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
@@ -180,6 +181,141 @@ def test_srun(slurm, env_bundle, shared, app, out, alloc, line, ranks, staged_on
     assert shared.starts() == []  # sbcast and the nodes' own python: no shared one
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
     assert errors(result.stderr) == [], result
+
+
+@pytest.mark.parametrize("alloc", ["salloc -N 2", ""])
+def test_srun_arbitrary_with_a_host_file(
+    slurm, env_bundle, shared, app, out, tmp_path, alloc
+):
+    """``srun -m arbitrary`` places tasks as ``SLURM_HOSTFILE`` lists them.
+
+    Outside an allocation the ``salloc`` asks for the file's distinct nodes,
+    not for the tasks; inside one the stage and clean steps ignore the file.
+    """
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n1\nn1\nn1\nn2\n")
+    before = node_stages()
+    launch = ["srun", "-m", "arbitrary", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--", *launch]
+    command = ["env", f"SLURM_HOSTFILE={hosts}", *command]  # for srun, not salloc
+    if alloc:
+        command = [*split(alloc), "--quiet", *command]
+    result = run(command, env=slurm)
+    assert result.returncode == 0, result
+    results = rank_results(out, 4)
+    assert [r["node"] for r in results] == ["n1", "n1", "n1", "n2"], results
+    assert_on_own_node(results, staged_dir(results))
+    assert shared.starts() == []
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+    assert errors(result.stderr) == [], result
+
+
+def test_runner_counts_nodes_of_an_arbitrary_placement(slurm, tmp_path):
+    """The runner's nodes are Slurm's, also when MPI's own view is per rank.
+
+    Under ``-m arbitrary`` the MPICH wheel sees every rank as a node of its
+    own; the report must say 2 nodes for a 2-node step, with one copy each.
+    ``mpistage.data`` still shares memory only where MPI can.
+    """
+    hosts = tmp_path / "hosts"
+    hosts.write_text("n1\nn1\nn1\nn2\n")
+    (tmp_path / "blob").write_bytes(bytes(range(256)) * 16)
+    (tmp_path / "ok.py").write_text(
+        "import sys\nfrom mpi4py import MPI\nimport mpistage.data\n"
+        "buf = mpistage.data.read(sys.argv[1], comm=MPI.COMM_WORLD)\n"
+        "assert len(buf) == 4096 and bytes(buf.view[:3]) == bytes([0, 1, 2])\n"
+    )
+    report = tmp_path / "report.json"
+    env = dict(slurm, MPISTAGE_REPORT=str(report))
+    runner = [PYTHON, Path(PYTHON).parent / "mpistage"]
+    srun = ["salloc", "-N", "2", "--quiet", "env", f"SLURM_HOSTFILE={hosts}"]
+    srun += ["srun", "-m", "arbitrary", "-n", "4"]
+    result = run([*srun, *runner, tmp_path / "ok.py", tmp_path / "blob"], env=env)
+    assert result.returncode == 0, result
+    data = json.loads(report.read_text())
+    assert (data["ranks"], data["nodes"]) == (4, 2), data
+
+
+TWO_RUNS = """\
+mpistage run --env "$1" -- srun -n 8 "$2" "$3" "$4/one" "import time; time.sleep(8)" &
+first=$!
+sleep 2
+mpistage run --env "$1" -- srun --overlap -n 8 "$2" "$3" "$4/two" &
+second=$!
+wait $first; one=$?
+wait $second; two=$?
+echo "status $one $two"
+"""
+
+
+def test_two_runs_at_once_in_one_allocation(slurm, env_bundle, shared, app, tmp_path):
+    """Two ``mpistage run`` of one allocation at once, every CPU busy: both run.
+
+    The first one's run step holds every CPU; the second one's run step
+    shares them (``--overlap``, the user's choice). Its stage step does not
+    wait for the first one's run step either (the stage and clean steps
+    overlap other steps), and each has its own ``DIR``: the first one's
+    clean step does not take the second one's.
+    """
+    before = node_stages()
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    script = tmp_path / "two.sh"
+    script.write_text(TWO_RUNS)
+    command = ["salloc", "-N", "2", "--quiet", "sh", script, env_bundle]
+    result = run([*command, shared.python, app, tmp_path], env=slurm)
+    assert result.returncode == 0, result
+    assert "status 0 0" in result.stdout, result
+    one, two = rank_results(tmp_path / "one", 8), rank_results(tmp_path / "two", 8)
+    assert staged_dir(one) != staged_dir(two)
+    for results in (one, two):
+        assert_on_own_node(results, staged_dir(results))
+    ended = min((tmp_path / "one" / f"{r}.json").stat().st_mtime for r in range(8))
+    began = max((tmp_path / "two" / f"{r}.json").stat().st_mtime for r in range(8))
+    assert began < ended + 8, "the second run waited for the first"
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
+
+
+def slurm_state(job):
+    """The state Slurm gives *job* (``""`` once it forgot it)."""
+    done = run(["squeue", "-h", "-j", job, "-o", "%T"], env=launcher_env())
+    return done.stdout.strip()
+
+
+def test_a_job_ended_before_its_clean_step_is_reaped(
+    slurm, env_bundle, shared, app, tmp_path
+):
+    """A job cancelled (or at its time limit) leaves ``DIR``; the next one reaps it.
+
+    The stage marker is the owner record: ``mpistage clean`` lists the stage
+    once its job ended, and the next job's stage step removes it.
+    """
+    before = node_stages()
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    code = "open(sys.argv[1] + '/job', 'w').write(os.environ['SLURM_JOB_ID']); "
+    code += "time.sleep(300)"
+    launch = ["srun", "-n", "2", shared.python, app]
+    command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
+    first = start([*command, "--", *launch, one, code], env=slurm)
+    try:
+        wait_for(lambda: (one / "job").exists(), what="the first job's run step")
+        job = (one / "job").read_text()
+        assert run(["scancel", job], env=slurm).returncode == 0
+        finish(first)
+    finally:
+        kill_session(first.pid)
+    left = left_on_nodes(before)
+    assert all(len(names) == 1 for names in left.values()), left  # no clean step
+    wait_for(lambda: slurm_state(job) not in ("RUNNING", "COMPLETING"), timeout=60)
+    clean = ["env", f"SLURM_CONF={slurm['SLURM_CONF']}", PYTHON, "-m", "mpistage"]
+    listed = on_node("n1", *clean, "clean", "--dry-run")
+    assert listed.returncode == 0, listed
+    assert f"/dev/shm/{left['n1'].pop()}" in listed.stdout, listed
+
+    result = run([*command, "--", *launch, two], env=slurm)
+    assert result.returncode == 0, result
+    assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 
 def test_srun_stages_with_sbcast_and_the_nodes_own_python(

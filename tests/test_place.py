@@ -238,3 +238,59 @@ def test_a_failure_inside_finalize_is_said_by_the_rank_it_hit(capsys):
     assert capsys.readouterr().err == ""
     cleanup.say_failure(FakeComm(0), StageError("agreed"))
     assert capsys.readouterr().err == "mpistage: error: agreed\n"
+
+
+def test_a_removal_cut_short_is_finished_by_the_next_job(tmp_path):
+    """A watchdog killed while removing leaves a name the next job recognizes.
+
+    The owner record may be gone already (half the tree is); the name says
+    the tree is being removed, and by whom: a live remover is left alone.
+    """
+    user = tmp_path / f"mpistage-{os.getuid()}"
+    user.mkdir(mode=0o700)
+    cut = user / f"job-gone.n0{cleanup.REMOVING}{dead_pid()}"
+    going = user / f"job-going.n0{cleanup.REMOVING}{os.getpid()}"
+    for tree in (cut, going):
+        (tree / "r0" / "pkg").mkdir(parents=True)
+        for i in range(50):
+            (tree / "r0" / "pkg" / f"m{i}.py").write_text("")
+    fd = opened(tmp_path)
+    try:
+        cleanup.reap_dead_roots(fd)
+    finally:
+        os.close(fd)
+    assert not cut.exists() and going.exists()
+
+
+def test_the_watchdog_renames_the_root_before_removing_it(tmp_path):
+    """What ``rm`` gets is the renamed root: cut short, it is known for garbage."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "rm.log"
+    stub = bin_dir / "rm"
+    stub.write_text(f'#!/bin/sh\necho "$@" > {log}\n')
+    stub.chmod(0o755)
+    os.symlink("/bin/mv", bin_dir / "mv")
+    root = tmp_path / "job-x.n0"
+    root.mkdir()
+    command = ["/bin/sh", "-c", cleanup.WATCHDOG, "mpistage-watchdog", str(root)]
+    done = subprocess.run(command, input=b"", env={"PATH": str(bin_dir)}, check=True)
+    assert done.returncode == 0
+    renamed = [p.name for p in tmp_path.iterdir() if p.name.startswith("job-x.n0")]
+    assert not root.exists() and len(renamed) == 1, renamed
+    assert cleanup.REMOVING in renamed[0]
+    assert log.read_text().split() == ["-rf", "--", str(tmp_path / renamed[0])]
+
+
+def test_an_environment_stage_is_dead_when_its_run_is_gone_here():
+    from mpistage.runtime.envreap import dead
+
+    here = os.uname().nodename
+    gone, live = f"{here}:{dead_pid()}", f"{here}:{os.getpid()}"
+    assert dead({"host": here, "run": gone})
+    assert not dead({"host": here, "run": live})
+    assert not dead({"host": "elsewhere", "run": gone})
+    assert not dead({"host": here, "run": gone, "keep": "yes"})
+    assert dead({"host": here, "run": gone, "keep": "yes"}, kept_too=True)
+    assert not dead({"host": here})  # staged by hand, no scheduler: clean DIR
+    assert not dead({"host": here, "run": f"other:{dead_pid()}"})

@@ -369,3 +369,37 @@ def test_symlink_member_is_staged(tmp_path, stage_env, stage_dir):
     staged = root / "r0" / "alias.py"
     assert results(stage_env, 1) == [[str(staged), "via link"]]
     assert staged.is_symlink() and os.readlink(staged) == "pkg/__init__.py"
+
+
+@pytest.mark.parametrize("boot", ["yes", "no"])
+def test_python_m_mpi4py_with_a_bundle_misses_nothing(tmp_path, stage_env, tiny, boot):
+    """``-m mpi4py app.py``: mpi4py.run, which runs first, comes with mpi4py.
+
+    The node boot brings it with mpi4py (or the rank imports it as usual
+    before the bundle's finders), so no rank reports it missed.
+    """
+    target = write_target(tmp_path / "app.py", "import tinypkg\nemit(tinypkg.VALUE)\n")
+    report = tmp_path / "report.json"
+    stage_env.update(
+        PYTHONPATH=str(tiny["site"]),
+        MPISTAGE_EMULATE_NODES="2",
+        MPISTAGE_REPORT=str(report),
+        MPISTAGE_BOOT=boot,
+    )
+    args = ["-m", "mpistage", "--bundle", tiny["bundle"], "-m", "mpi4py", target]
+    result = mpirun(4, args, stage_env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert results(stage_env, 4) == [42] * 4
+    facts = json.loads(report.read_text())
+    assert facts["modules"]["missed_names"] == [], facts["modules"]
+
+
+def test_entry_modules_of_the_documented_entry_points():
+    from mpistage.nodeboot import entry_modules
+
+    assert entry_modules(["mpistage", "--bundle", "b", "-m", "mpi4py", "a.py"]) == (
+        "mpi4py.run",
+    )
+    assert entry_modules(["mpistage", "-m", "mpi4py.run", "a.py"]) == ("mpi4py.run",)
+    assert entry_modules(["mpistage", "-m", "mypkg.main"]) == ()
+    assert entry_modules(["mpistage", "app.py"]) == ()

@@ -16,11 +16,13 @@ import pytest
 
 from recordtools import need_report, recorded, replay
 from stagetools import (
+    PYTHON,
     job_dirs,
     make_site,
     mpirun_status,
     mpistage,
     results,
+    run,
     write_target,
 )
 
@@ -80,6 +82,48 @@ def test_touched_member_fails_every_rank(setup, stage_env, stage_dir):
     assert "--trust" in result.errors()[0]
     assert not list((stage_dir.parent / "out").iterdir()), "the target ran"
     assert job_dirs(stage_dir) == []
+
+
+def poison_bytecode(source, text):
+    """Write bytecode for *source* that plain python takes, with other code in it."""
+    import importlib.util
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+
+    st = source.stat()
+    code = compile(f"TEXT = {text!r}\n", str(source), "exec")
+    cached = importlib.util.cache_from_source(str(source))
+    data = _code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size)
+    with open(cached, "wb") as f:
+        f.write(data)
+
+
+def test_a_plain_run_leaves_a_packed_bundle_fresh(tmp_path, stage_env):
+    """``pack``, then any plain run writes ``__pycache__``: the bundle is still fresh.
+
+    Bytecode in the original is never what a staged module runs: here the
+    original's is planted (plain python would take it), and every rank
+    still gets the packed source's code.
+    """
+    site = make_site(tmp_path / "site")
+    env = dict(stage_env, PYTHONPATH=str(site))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    bundle = tmp_path / "tiny.mpistage"
+    result = mpistage(["pack", "-o", bundle, "tinypkg"], env)
+    assert result.returncode == 0, result
+    assert not list(site.rglob("__pycache__"))
+    plain = run([PYTHON, "-c", "import tinypkg.sub; print(tinypkg.sub.TEXT)"], env=env)
+    assert plain.returncode == 0 and "tiny data" in plain.stdout, plain
+    assert (site / "tinypkg" / "sub" / "__pycache__").is_dir()
+    poison_bytecode(site / "tinypkg" / "data.py", "planted bytecode")
+    plain = run([PYTHON, "-c", "import tinypkg.sub; print(tinypkg.sub.TEXT)"], env=env)
+    assert "planted bytecode" in plain.stdout, plain  # plain python takes it
+    script = write_target(tmp_path / "app.py", APP)
+    env = dict(env, MPISTAGE_EMULATE_NODES="2")
+    args = ["-m", "mpistage", "--bundle", bundle, script]
+    result, status = mpirun_status(RANKS, args, env)
+    assert result.returncode == 0, result
+    assert status == {r: 0 for r in range(RANKS)}, result
+    assert [r["text"] for r in results(env, RANKS)] == ["tiny data"] * RANKS
 
 
 def test_trust_uses_a_stale_bundle(setup, stage_env, stage_dir):
@@ -327,6 +371,24 @@ def replace_root(site, own):
     shutil.copytree(site.with_name("site.old"), site)  # same names, sizes, mtimes
 
 
+def run_python(site, own):
+    """Run the packed code once, the plain way: ``__pycache__`` appears beside it."""
+    import subprocess
+    import sys
+
+    code = "import tabpkg, tabpkg.mod, tabmod, mine"
+    env = dict(os.environ, PYTHONPATH=f"{site}:{own}")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert (site / "tabpkg" / "__pycache__").is_dir()
+    assert (own / "__pycache__").is_dir()
+
+
+def run_python_then_replace(site, own):
+    run_python(site, own)
+    rename_replace(site / "tabpkg" / "mod.py", "B = 9\n")
+
+
 # change: (what it does, found: a name now found where it is, per mode: stale?)
 TABLE = {
     "install another distribution": (install, "newdist", "----"),
@@ -387,6 +449,12 @@ TABLE = {
         lambda s, o: in_place(s / "tabpkg" / "table.dat", "3 2 1\n"),
         None,
         "-SS-",
+    ),
+    "python ran once (bytecode written)": (run_python, None, "----"),
+    "python ran, then rename-replace in a package": (
+        run_python_then_replace,
+        None,
+        "SSS-",
     ),
     ".pth added": (lambda s, o: (s / "new.pth").write_text("/x\n"), None, "SSS-"),
     "a bundled root replaced": (replace_root, None, "SSS-"),

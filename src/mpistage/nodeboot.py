@@ -43,6 +43,7 @@ module runs before MPI in every rank, so it is read the cheap way
 """
 
 import os as _os
+import sys as _sys
 import time as _time
 
 from mpistage import StageError
@@ -72,6 +73,7 @@ class Boot:
         self.role, self.reason, self.path = "normal", None, None
         self.seconds = self.waited = 0.0
         self.root = None  # the first rank's guarded place
+        self.copies, self.bypassed = None, []  # what /proc/self/maps shows
 
     def facts(self):
         """Return what the report says of this rank's start."""
@@ -81,6 +83,8 @@ class Boot:
             "seconds": round(self.seconds, 6),
             "waited": round(self.waited, 6),
             "place": self.path,
+            "copies_mapped": self.copies,
+            "originals_mapped": self.bypassed,
         }
 
 
@@ -107,15 +111,40 @@ def import_mpi():
         state.reason = str(exc)
         meeting.close()
         return plain_import(start)
-    if first:
-        return first_import(meeting, start)
-    return follower_import(meeting, start)
+    MPI = first_import(meeting, start) if first else follower_import(meeting, start)
+    if state.path is not None:
+        state.copies, state.bypassed = mapped_from(state.path)
+    return MPI
+
+
+def mapped_from(place):
+    """Return (how many, which originals) of the shared objects mapped here.
+
+    Counted from ``/proc/self/maps``, which is what the loader really did:
+    the copies of the *place* mapped, and the originals mapped although
+    the place holds their copy (the loader found them first, say through
+    ``LD_LIBRARY_PATH``; the report names them).
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            fields = [line.split(None, 5) for line in f]
+    except OSError:
+        return None, []
+    paths = {parts[5].strip() for parts in fields if len(parts) == 6}
+    shared = [p for p in paths if p.startswith("/") and ".so" in _os.path.basename(p)]
+    copies = [p for p in shared if p.startswith(place + "/")]
+    files = f"{place}/files"
+    bypassed = sorted(p for p in shared if not p.startswith(place + "/")
+                      and _os.path.exists(files + p))  # fmt: skip
+    return len(copies), bypassed
 
 
 def plain_import(start):
     """Import mpi4py the usual way (a rank with no usable copy)."""
     from mpi4py import MPI
 
+    for name in entry_modules():
+        __import__(name)
     state.seconds = _time.perf_counter() - start
     return MPI
 
@@ -455,6 +484,26 @@ def serve(place, record):
     server.install()
     try:
         from mpi4py import MPI
+
+        for name in entry_modules():
+            __import__(name)
     finally:
         server.remove()
     return MPI
+
+
+ENTRY_POINTS = {"mpi4py": ("mpi4py.run",), "mpi4py.run": ("mpi4py.run",)}
+
+
+def entry_modules(argv=None):
+    """Return the modules the runner's ``-m`` target imports before the program.
+
+    ``python -m mpi4py app.py`` and ``mpistage ... -m mpi4py app.py`` run
+    ``mpi4py.run``; the node boot brings it with mpi4py, so that it is
+    served from the node's copy, never looked for in the originals by
+    every rank once the bundle's finders are in place.
+    """
+    argv = _sys.argv if argv is None else argv
+    if "-m" not in argv[1:-1]:
+        return ()
+    return ENTRY_POINTS.get(argv[argv.index("-m", 1) + 1], ())

@@ -95,6 +95,19 @@ def describe(error):
     return one_line(error)
 
 
+def import_entry():
+    """Import what the target's entry point runs before the program, if any.
+
+    ``-m mpi4py`` (the documented ``python -m mpi4py app.py``) runs
+    ``mpi4py.run`` first: imported here, it is left for the node with the
+    rest, and every rank has it before the runner's finders take over.
+    """
+    from mpistage.nodeboot import entry_modules
+
+    for name in entry_modules():
+        __import__(name)
+
+
 def import_unstarted():
     """Import ``mpi4py.MPI`` without ``MPI_Init``; return it and what starts MPI.
 
@@ -112,6 +125,8 @@ def import_unstarted():
     rc.finalize = initialize if finalize is None else finalize
     try:
         from mpi4py import MPI
+
+        import_entry()
     finally:
         rc.initialize, rc.finalize = initialize, finalize
 
@@ -144,6 +159,28 @@ def write_record(fd, record):
         raise
 
 
+def load_first(base, place, rels):
+    """Load the copies *rels* of the place, in order, before what needs them.
+
+    A library loaded by path is known to the loader by its ``DT_SONAME``:
+    a later ``DT_NEEDED`` of that name is this copy, whatever
+    ``LD_LIBRARY_PATH`` says. The handles stay open for the process's life.
+    One that does not load alone (it needs symbols of a library it does
+    not name) is left to its dependents; returns the copies loaded.
+    """
+    done = []
+    for rel in rels:
+        try:
+            LOADED.append(base(f"{place}/{rel}"))
+        except OSError:
+            continue
+        done.append(rel)
+    return done
+
+
+LOADED = []  # the copies loaded ahead of their dependents (kept open)
+
+
 def write_all(fd, data):
     """Write all of *data* to *fd*."""
     view = memoryview(data)
@@ -157,6 +194,7 @@ class ImportRecorder(Hook):
     def __init__(self, copier):
         super().__init__()
         self.copier, self.modules, self.libraries = copier, {}, {}
+        self.first = {}  # library name -> copies loaded before it (relative)
         self.copies = {}  # extension module name -> its ExtensionCopy loader
         self.missing = []  # names no finder found
         self.finders = {}  # name -> the finder that found it (finder_name)
@@ -222,6 +260,9 @@ class ImportRecorder(Hook):
             rel = self.copier.take(name, plugins=True)
         if rel is not None:
             try:
+                first = self.copier.first.get(_os.path.abspath(name), [])
+                first = [self.copier.taken[p] for p in first]
+                self.first[name] = load_first(base, self.copier.place, first)
                 base.__init__(lib, f"{self.copier.place}/{rel}", *args, **kwargs)
                 self.libraries[name] = rel
                 return
@@ -243,6 +284,7 @@ class ImportRecorder(Hook):
             "modules": self.modules,
             "missing": self.missing,
             "libraries": self.libraries,
+            "first": self.first,
             "files": len(self.copier.taken),
             "bytes": self.copier.bytes,
             "declined": self.copier.declined,
@@ -305,6 +347,8 @@ class Copier:
         self.sonames, self.plugins, self.declined = set(), set(), []
         self.not_elf = set()  # originals that are no ELF file at all
         self.bytes, self.mapped = 0, None
+        self.first = {}  # original path -> the copies to load before it, in order
+        self.redirected = set()  # originals LD_LIBRARY_PATH finds before $ORIGIN
 
     def take(self, path, plugins):
         """Copy the ELF object *path* with what it needs; return its copy, or None.
@@ -319,9 +363,10 @@ class Copier:
         if path.startswith(SYSTEM_DIRS):
             self.decline(path, "a system directory, part of the node's image")
             return None
-        plan = {}
+        plan, order = {}, []
         try:
-            self.closure(path, plan)
+            self.closure(path, plan, order)
+            self.first[path] = [p for p in order if p in self.redirected]
             if plugins:
                 for folder in sorted({_os.path.dirname(p) for p in plan}):
                     self.plan_plugins(folder, plan)
@@ -349,8 +394,11 @@ class Copier:
         """Note that *path* is loaded from where it is, and why."""
         self.declined.append((path, reason))
 
-    def closure(self, path, plan):
-        """Add *path* and what it needs from beside it to *plan* (path -> bytes)."""
+    def closure(self, path, plan, order):
+        """Add *path* and what it needs from beside it to *plan* (path -> bytes).
+
+        *order* gets each one after what it needs: the order to load them in.
+        """
         data = self.read(path)
         info = elf_dynamic(data)
         if info is None:
@@ -372,18 +420,21 @@ class Copier:
                 continue
             found = self.find(name, dirs)
             if found is not None and found not in plan and found not in self.taken:
-                self.closure(found, plan)
+                self.closure(found, plan, order)
+        order.append(path)
 
     def find(self, name, dirs):
-        """Return where the loader finds *name* among *dirs*, or None (elsewhere).
+        """Return where the loader finds *name*, or None (a system directory, or none).
 
-        ``LD_LIBRARY_PATH`` comes first for the loader; what it finds there
-        it finds there for a copy too, so it is not copied.
+        ``LD_LIBRARY_PATH`` comes first for the loader, then *dirs* (the
+        ``$ORIGIN`` run path). What it finds is copied all the same; the
+        copies are loaded before their dependents, by path, so the loader
+        takes them by their ``DT_SONAME`` and never searches
+        ``LD_LIBRARY_PATH`` for them (Open MPI's ``mpiexec`` sets it to its
+        own ``lib``, on the shared file system).
         """
-        for folder in _os.environ.get("LD_LIBRARY_PATH", "").split(":"):
-            if folder and name in (self.listing(folder) or {}):
-                return None
-        for folder in dirs:
+        paths = [f for f in _os.environ.get("LD_LIBRARY_PATH", "").split(":") if f]
+        for folder in paths + list(dirs):
             entries = self.listing(folder)
             if entries is None:
                 continue
@@ -391,7 +442,12 @@ class Copier:
             if odd:
                 raise Declined(f"{folder!r} has {odd[0]!r}, searched first by ld.so")
             if name in entries:
-                return f"{folder}/{name}"
+                found = f"{_os.path.abspath(folder)}/{name}"
+                if found.startswith(SYSTEM_DIRS):
+                    return None
+                if folder in paths:
+                    self.redirected.add(found)
+                return found
         return None
 
     def is_mapped(self, name):

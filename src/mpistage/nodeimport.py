@@ -107,6 +107,7 @@ class Server(Hook):
         super().__init__()
         self.place, self.modules = place, record["modules"]
         self.libraries, self.missing = record["libraries"], set(record["missing"])
+        self.first = record.get("first", {})
 
     def find_spec(self, name, path=None, target=None):
         """Return the spec of a recorded module, or ``None``.
@@ -167,6 +168,8 @@ class Server(Hook):
         elif isinstance(rel, tuple):
             raise OSError(rel[1])  # what opening it gave the first rank
         else:
+            for first in self.first.get(name, ()):  # as the first rank did
+                LOADED.append(base(f"{self.place}/{first}"))
             base.__init__(lib, f"{self.place}/{rel}", *args, **kwargs)
 
 
@@ -188,6 +191,7 @@ def finder_name(finder):
 
 # -- what the first rank and the others share: the record and its checks --------
 
+LOADED = []  # copies a follower loaded ahead of their dependents (kept open)
 RECORD = "record"  # what the first rank loaded, marshalled; its presence is the mark
 FILES = "files"  # the copies, below it at their original absolute paths
 VERSION = 1  # of the record

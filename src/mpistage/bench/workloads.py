@@ -26,7 +26,7 @@ class Numpy(Workload):
 
     name = "numpy"
     packages = ("numpy",)
-    pack_args = ("--exclude", "*/tests")
+    pack_args = ("--exclude", "*/**/tests")
     code = "import numpy, numpy.linalg; numpy.linalg.inv(numpy.eye(4))"
 
     def build(self, site):
@@ -34,7 +34,7 @@ class Numpy(Workload):
         from mpistage.bundle.pack import add_package
         from mpistage.bundle.writer import Selection
 
-        roots = Selection(exclude=["*/tests"])
+        roots = Selection(exclude=["*/**/tests"])
         add_package(roots, "numpy")
         copy_files(roots, site)
 

@@ -26,7 +26,7 @@ from mpistage import StageError
 DEFAULT_EXCLUDE = (
     "lib/python3.*/test",
     "lib/python3.*/config-*",
-    "*/__pycache__/*.opt-[12].pyc",
+    "**/__pycache__/*.opt-[12].pyc",
 )
 SHEBANG = (
     b"#!/bin/sh\n"

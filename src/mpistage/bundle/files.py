@@ -47,6 +47,12 @@ class Files:
         """``os.readlink``."""
         return _os.readlink(path)
 
+    def digest(self, path):
+        """The digest of the directory's names and inodes (``roots.entries_digest``)."""
+        from mpistage.runtime.roots import entries_digest
+
+        return entries_digest(path)
+
     def chunks(self, path):
         """Yield the content of the file *path* in pieces."""
         return file_chunks(path)
@@ -99,15 +105,17 @@ class Known(Files):
     directory, ``False``: not a directory); *stats* maps paths to the
     stat of what they lead to; *links* names the entries of the listed
     directories that are symlinks; *copies* maps files to a copy of their
-    content. A path in a listed directory that its listing does not show
-    does not exist: nothing is asked. A stat of a file that is no entry of
+    content; *digests* maps listed directories to their entries' digest.
+    A path in a listed directory that its listing does not show does not
+    exist: nothing is asked. A stat of a file that is no entry of
     a listed directory (bytecode in ``__pycache__``, metadata) counts as
     its ``lstat`` too: the reader read it through whatever it is.
     """
 
-    def __init__(self, listings, stats, links=(), copies=None, base=None):
+    def __init__(self, listings, stats, links=(), copies=None, base=None, digests=None):
         self.listings, self.stats = dict(listings), stats
         self.links, self.copies = set(links), copies or {}
+        self.digests = digests or {}
         self.base = base if base is not None else Files()
         self.sets, self.answers = {}, {}
 
@@ -170,6 +178,12 @@ class Known(Files):
     def readlink(self, path):
         """The base's."""
         return self.base.readlink(path)
+
+    def digest(self, path):
+        """The learned digest of a listed directory; else the base's."""
+        if path in self.digests:
+            return self.digests[path]
+        return self.ask("digest", path)
 
     def chunks(self, path):
         """The copy's content when there is one; else the base's."""

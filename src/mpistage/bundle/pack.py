@@ -17,16 +17,15 @@ import os as _os
 
 from mpistage import StageError
 
-TEST_DIRS = ("*/tests",)
+TEST_DIRS = ("*/**/tests",)  # below a package, never a root's own ``tests``
 STDLIB_EXCLUDE = (
-    "site-packages",
-    "dist-packages",
-    "test",
-    "idlelib",
-    "turtledemo",
-    "config-*",
-    "__pycache__/*.opt-[12].pyc",
-    "*/__pycache__/*.opt-[12].pyc",
+    "/site-packages",
+    "/dist-packages",
+    "/test",
+    "/idlelib",
+    "/turtledemo",
+    "/config-*",
+    "**/__pycache__/*.opt-[12].pyc",
 )
 
 

@@ -39,7 +39,7 @@ from mpistage.runtime import bundlefile
 
 # Never bundled: bundles, the writer's temporaries, and names at the top of a
 # root that a staging directory reserves for mpistage's own files.
-BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", bundlefile.RESERVED + "*")
+BUNDLES = ("*" + bundlefile.SUFFIX, "*.mpistage-*.tmp", "/" + bundlefile.RESERVED + "*")
 
 
 class Member:
@@ -119,13 +119,15 @@ class Selection:
         self.links.append((self.index(root), rel, target))
 
     def excluded(self, rel):
-        """Whether *rel* or one of its parent directories matches an exclusion."""
-        fnmatch = own_module("fnmatch").fnmatch
-        while rel and rel != "." and self.exclude:
-            if any(fnmatch(rel, pattern) for pattern in self.exclude):
-                return True
-            rel = _os.path.dirname(rel)
-        return False
+        """Whether *rel* or one of its parent directories matches an exclusion.
+
+        Patterns match path components (:mod:`mpistage.bundle.globs`).
+        """
+        from mpistage.bundle.globs import excludes
+
+        if not rel or rel == ".":
+            return False
+        return any(excludes(pattern, rel) for pattern in self.exclude)
 
     def excluding(self, patterns):
         """A context in which *patterns* are excluded too."""
@@ -214,6 +216,7 @@ def record_partial(entry, rels, files):
             found[rel] = {
                 "mtime_ns": files.stat(path).st_mtime_ns,
                 "listing": files.listing(path),
+                "entries": files.digest(path),
             }
     if found:
         entry["partial"] = found
@@ -273,6 +276,7 @@ def root_entry(selection, root):
         entry["dists"] = dists
     if in_stdlib(root):
         entry["stdlib"] = stamp(root, files)
+        entry["entries"] = files.digest(root)
     entry["_owned"] = owned
     return entry
 
@@ -360,7 +364,7 @@ class Writer:
         if _stat.S_ISLNK(st.st_mode):
             member.update(type="link", target=self.files.readlink(path), size=0)
         elif _stat.S_ISDIR(st.st_mode):
-            member.update(type="dir", size=0)
+            member.update(type="dir", size=0, entries=self.files.digest(path))
         else:
             member.update(type="file", **self.copy(path, data))
         if owned:

@@ -3,6 +3,8 @@
 A job whose nodes crashed, or that ran with ``--keep``, leaves its staging
 roots. Each root records the host and pid of the leader that made it; a
 root of this user, on this host, whose leader is gone or a zombie is stale.
+Environment stages under their default name (``mpistage-env-UID-...``)
+whose job ended are stale too (:mod:`mpistage.runtime.envreap`).
 Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
 complete or interrupted. Removal is :func:`mpistage.runtime.cleanup.remove`.
 
@@ -71,6 +73,7 @@ def clean(folder=None, dry_run=False):
 def clean_roots(dry_run=False):
     """Remove this user's stale staging roots on this host; return their paths."""
     from mpistage.runtime.cleanup import user_dirs
+    from mpistage.runtime.envreap import reap
     from mpistage.runtime.place import candidates, open_safe
 
     found = []
@@ -82,6 +85,7 @@ def clean_roots(dry_run=False):
         try:
             for name in user_dirs(fd):
                 found += clean_user_dir(fd, f"{real}/{name}", name, dry_run)
+            found += [f"{real}/{n}" for n in reap(fd, kept_too=True, dry_run=dry_run)]
         finally:
             _os.close(fd)
     return found

@@ -240,6 +240,10 @@ class Launch:
         """The command that makes an allocation to run in first, or ``None``."""
         return None
 
+    def step_environ(self):
+        """The environment of the stage and clean steps (``None``: this one)."""
+        return None
+
     def run_prefix(self, exported=()):
         """The command's words before python, as the run step starts them.
 
@@ -267,11 +271,58 @@ class Srun(Launch):
         if _os.environ.get("SLURM_JOB_ID"):
             return None
         salloc = _os.path.join(_os.path.dirname(self.command[0]), "salloc")
-        return [salloc, "--quiet", *self.words("layout", "hosts", "alloc")]
+        if not self.arbitrary():
+            return [salloc, "--quiet", *self.words("layout", "hosts", "alloc")]
+        return [salloc, "--quiet", *self.arbitrary_allocation()]
+
+    def arbitrary(self):
+        """The host file of ``-m arbitrary`` (``SLURM_HOSTFILE``), or ``None``.
+
+        ``srun`` places task *i* on the file's line *i*; ``salloc`` and
+        ``sbcast`` read the same variable as a node list and refuse it.
+        """
+        distribution = self.values("-m", "--distribution")
+        distribution = distribution[-1] if distribution else None
+        distribution = distribution or _os.environ.get("SLURM_DISTRIBUTION", "")
+        if not distribution.startswith("arbitrary"):
+            return None
+        return _os.environ.get("SLURM_HOSTFILE") or None
+
+    def arbitrary_allocation(self):
+        """``salloc`` words for ``-m arbitrary``: the host file's distinct nodes.
+
+        The file stays for the run step only: ``env`` gives it back to the
+        ``mpistage run`` that ``salloc`` starts (:meth:`step_environ` keeps
+        it from ``salloc`` itself).
+        """
+        path = self.arbitrary()
+        hosts = hostfile(path)
+        kept = [w for role, taken in self.parsed
+                if role in ("layout", "hosts", "alloc")
+                and self.key(taken[0].partition("=")[0]) not in ("-m", "--distribution")
+                for w in taken]  # fmt: skip
+        return [*kept, "-N", str(len(hosts)), "-w", ",".join(hosts),
+                "env", f"SLURM_HOSTFILE={path}"]  # fmt: skip
+
+    def step_environ(self):
+        """This environment without ``-m arbitrary``'s variables.
+
+        One task per node is a block placement: the host file (one line per
+        task of the run step) would make ``srun`` refuse the stage step and
+        ``sbcast`` fail.
+        """
+        hidden = ("SLURM_HOSTFILE", "SLURM_DISTRIBUTION")
+        return {k: v for k, v in _os.environ.items() if k not in hidden}
 
     def per_node(self):
-        """``srun -N K -n K --ntasks-per-node=1`` with the hosts and plugin kept."""
+        """``srun --overlap -N K -n K --ntasks-per-node=1``, hosts and plugin kept.
+
+        ``--overlap``: the stage and clean steps share their CPUs with the
+        allocation's other steps, so a second ``mpistage run`` of the job
+        never waits for the first one's run step to end.
+        """
         kept = self.words("hosts", "keep")
+        kept = kept if "--overlap" in kept else ["--overlap", *kept]
         count = emulated()
         if count:
             return [self.command[0], "-n", str(count), *kept]

@@ -53,7 +53,7 @@ def parser():
     p.add_argument(
         "--to",
         metavar="DIR",
-        help="node-local directory (default: /dev/shm/mpistage-env-UID-JOB; "
+        help="node-local directory (default: /dev/shm/mpistage-env-UID-JOB.PID; "
         "{node} becomes the node index)",
     )
     p.add_argument("--keep", action="store_true", help="keep DIR after the run")
@@ -74,7 +74,7 @@ def main(argv):
     outer = plan.launch.allocation()
     with Signals() as signals:
         if outer is not None:
-            return in_allocation(outer, argv, signals)
+            return in_allocation(outer, argv, signals, plan.launch.step_environ())
         return Steps(plan, signals).run()
 
 
@@ -242,8 +242,9 @@ class Steps:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="mpistage-run-") as scratch:
+            env = owned(self.plan.launch.step_environ(), self.plan.args.keep)
             for command in self.plan.stage_commands(scratch):
-                status = self.step(command, "stage")
+                status = self.step(command, "stage", env)
                 if status or self.signals.received:
                     if status and not self.signals.received:
                         error(
@@ -262,7 +263,8 @@ class Steps:
     def clean(self):
         """The clean step; whether it succeeded (it says why not)."""
         try:
-            status = self.step(self.plan.clean_command(), "clean", forward=False)
+            command, env = self.plan.clean_command(), self.plan.launch.step_environ()
+            status = self.step(command, "clean", env, forward=False)
         except StageError as exc:
             error(exc)
             return False
@@ -288,7 +290,20 @@ class Steps:
             return exit_status(child.wait())
 
 
-def in_allocation(salloc, argv, signals):
+def owned(env, keep):
+    """*env* (or this environment) with the stage's owner: this ``mpistage run``.
+
+    The stage marker records it, so that the next stage step on a node, or
+    ``mpistage clean``, can tell a stage whose job ended without its clean
+    step (:mod:`mpistage.runtime.envreap`).
+    """
+    env = dict(_os.environ if env is None else env)
+    env["MPISTAGE_RUN_OWNER"] = f"{_os.uname().nodename}:{_os.getpid()}"
+    env["MPISTAGE_RUN_KEEP"] = "yes" if keep else ""
+    return env
+
+
+def in_allocation(salloc, argv, signals, env=None):
     """Run this ``mpistage run`` again inside an allocation ``salloc`` makes.
 
     ``salloc`` gives up the allocation when it gets SIGINT or SIGTERM, so
@@ -296,7 +311,7 @@ def in_allocation(salloc, argv, signals):
     """
     command = [*salloc, _sys.executable, "-m", "mpistage", "run", *argv]
     try:
-        child = _subprocess.Popen(command)
+        child = _subprocess.Popen(command, env=env)
     except OSError as exc:
         raise StageError(f"cannot start {salloc[0]!r}: {exc.strerror}") from None
     with signals.passing_to(child, lambda: children(child.pid) or [child.pid]):
@@ -383,10 +398,14 @@ def error(message):
 
 
 def default_dir():
-    """``/dev/shm/mpistage-env-UID-JOB`` (``{node}`` added for emulated nodes)."""
+    """``/dev/shm/mpistage-env-UID-JOB.PID`` (``{node}`` added for emulated nodes).
+
+    The pid of this ``mpistage run`` tells two runs of one job apart: each
+    stages and removes its own copy, and neither waits for the other.
+    """
     from mpistage.runtime.topology import job_id
 
-    job = job_id() or str(_os.getpid())
+    job = f"{job_id()}.{_os.getpid()}" if job_id() else str(_os.getpid())
     base = (
         "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
     )

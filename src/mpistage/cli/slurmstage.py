@@ -36,6 +36,7 @@ MODULES = (
     "__init__", "runtime/__init__", "runtime/bundlefile", "runtime/read",
     "runtime/extract", "runtime/place", "runtime/roots", "runtime/stager",
     "runtime/stage", "runtime/collective", "runtime/broadcast", "runtime/cleanup",
+    "runtime/envreap", "runtime/topology",
 )  # fmt: skip
 MAIN = f"""\
 import sys

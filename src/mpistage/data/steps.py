@@ -32,7 +32,7 @@ def share(comm, path, readers, io, locate, more):
     path = attempt(comm, check_args, path, readers, io, comm.size)
     given = (("path", path), ("readers", readers), ("io", io)) + tuple(more)
     attempt(comm, same_everywhere, comm, tuple((k, repr(v)) for k, v in given))
-    job = Job(comm, attempt(comm, discover, comm), path, readers, io)
+    job = Job(comm, attempt(comm, discover, comm, True), path, readers, io)
     try:
         sweep(job.topo.node)
         run(job, locate)

@@ -208,8 +208,8 @@ def learned(reader, copies):
     """Return the view of the files that the live *reader* learned, with *copies*."""
     from mpistage.bundle.files import Known
 
-    listings, stats, links = reader.facts()
-    return Known(listings, stats, links, copies, ReaderFiles(reader))
+    listings, stats, links, digests = reader.facts()
+    return Known(listings, stats, links, copies, ReaderFiles(reader), digests)
 
 
 class ReaderFiles:
@@ -245,6 +245,13 @@ class ReaderFiles:
         """``os.readlink`` of *path*, relative to its directory's descriptor."""
         folder, name = _os.path.split(path)
         return _os.readlink(name, dir_fd=self.reader.dir_fd(folder))
+
+    def digest(self, path):
+        """The digest of the directory *path*'s entries, from its descriptor."""
+        from mpistage.runtime.live.reader import LIST_FLAGS
+        from mpistage.runtime.roots import entries_digest
+
+        return entries_digest(self.reader.dir_fd(path, LIST_FLAGS))
 
     def chunks(self, path):
         """The content of the file *path*, read once (one piece)."""

@@ -38,7 +38,14 @@ import os as _os
 from mpistage import StageError
 from mpistage.runtime.place import DIR_FLAGS, check_own, open_safe, read_owner
 
-WATCHDOG = 'cd / && while read -r _; do :; done; exec rm -rf -- "$1"'
+# The watchdog renames the root before it removes it: a removal cut short
+# (the node's processes killed, the job's end) leaves a name that says so,
+# and the next job, or `mpistage clean`, finishes it (:func:`stale_root`).
+REMOVING = ".removing-"
+WATCHDOG = (
+    "cd / && while read -r _; do :; done; "
+    f't="$1{REMOVING}$$"; mv -- "$1" "$t" 2>/dev/null || t="$1"; exec rm -rf -- "$t"'
+)
 SIGNALS = ("SIGTERM", "SIGHUP")
 COLLECT_TRIES, COLLECT_PAUSE = 50, 0.002  # a watchdog gets 0.1 s to end
 _guarded = {}
@@ -246,6 +253,9 @@ def stale_root(fd, name, kept_too=False):
         ino, owner = _os.fstat(root_fd).st_ino, read_owner(root_fd)
     finally:
         _os.close(root_fd)
+    if REMOVING in name:  # a removal cut short: finish it once its remover is gone
+        remover = name.rpartition(REMOVING)[2]
+        return None if alive(remover if remover.isdigit() else None) else ino
     if not owner or owner.get("host") != _os.uname().nodename:
         return None
     if alive(owner.get("pid")) or not kept_too and owner.get("keep") == "yes":

@@ -245,7 +245,20 @@ def start_lines(start):
     ]
     for reason, ranks in start["reasons"].items():
         lines.append(f"  as usual on rank(s) {rank_list(ranks)}: {reason}")
-    return lines
+    return lines + bypassed_lines(start.get("ranks") or [])
+
+
+def bypassed_lines(facts):
+    """Say which ranks mapped originals although their node had copies."""
+    found = {}
+    for rank, fact in enumerate(facts):
+        for path in (fact or {}).get("originals_mapped") or ():
+            found.setdefault(path, []).append(rank)
+    return [
+        f"  loaded from the original on rank(s) {rank_list(ranks)}, though the "
+        f"node had a copy: {path}"
+        for path, ranks in sorted(found.items())
+    ]
 
 
 def rank_list(ranks):

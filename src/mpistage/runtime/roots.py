@@ -8,6 +8,8 @@ of its entries, directories ending in ``/``. This module alone decides:
   which names a lookup in a listed directory finds (:func:`module_names`);
 - whether a path is part of the standard library (:func:`in_stdlib`);
 - which directories a bundle holds only in part (:func:`partial_dirs`);
+- what of a directory's entries a bundle depends on, bytecode left out
+  (:func:`entries_digest`);
 - where each root goes below a staging root (:func:`destinations`).
 """
 
@@ -73,6 +75,29 @@ def listing(root):
     """
     with _os.scandir(root) as entries:
         return sorted(e.name + "/" if e.is_dir() else e.name for e in entries)
+
+
+def entries_digest(directory):
+    """Return a digest of a directory's names and inodes, ``__pycache__`` left out.
+
+    *directory* is a path or an open directory descriptor (not ``O_PATH``).
+    A directory's mtime changes when Python first writes bytecode into it
+    (``__pycache__`` appears); that is not the package changing. When the
+    mtime changed, the staleness check compares this digest instead: a
+    name added, removed or replaced by rename (a new inode) still changes
+    it. One ``getdents`` pass: inodes come from the listing, not a stat.
+    """
+    with _os.scandir(directory) as entries:
+        return digest_of(entries)
+
+
+def digest_of(entries):
+    """Return the digest of scanned directory *entries* (see :func:`entries_digest`)."""
+    from mpistage.runtime.bundlefile import sha256
+
+    found = [f"{e.name}\0{e.inode()}" for e in entries if e.name != "__pycache__"]
+    found.sort()
+    return sha256("\n".join(found).encode()).hexdigest()[:32]
 
 
 def stdlib_dirs():

@@ -85,12 +85,15 @@ class TargetPlace(Place):
         from mpistage.runtime.place import room, target_dir
 
         root = target_dir(self.folder)
+        reap_beside(root)
         digest = manifest_digest(buf)
         marker = read_marker(root.fd)
         if marker.get("sha256") == digest and marker.get("state") == "complete":
+            if owner_changed(marker):  # this job's from now on, for the reaper
+                write_marker(root.fd, digest, "complete")
             root.reused = True
             return root
-        if _os.listdir(root.fd):
+        if _os.listdir(root.fd) and not emptied_if_dead(root, marker):
             root.close()
             raise StageError(busy_message(self.folder, marker))
         room(root.fd, self.folder, footprint)
@@ -112,6 +115,34 @@ class TargetPlace(Place):
         if not root.reused:
             empty(root.fd)
         root.close()
+
+
+def owner_changed(marker):
+    """Whether *marker* names another owner than this process's job and run."""
+    from mpistage.runtime.envreap import owner_fields
+
+    return any(marker.get(k, "") != v for k, v in owner_fields().items())
+
+
+def reap_beside(root):
+    """Remove the dead default-named stages beside ``DIR`` (crash-only cleanup)."""
+    from mpistage.runtime.envreap import reap
+
+    try:
+        reap(root.parent_fd, skip={_os.path.basename(root.path)})
+    except OSError:
+        pass  # A directory that changes under us: `mpistage clean` remains.
+
+
+def emptied_if_dead(root, marker):
+    """Empty ``DIR`` if it holds a stage of a job that ended here; whether it did."""
+    from mpistage.runtime.cleanup import empty
+    from mpistage.runtime.envreap import dead
+
+    if not marker or not dead(marker):
+        return False
+    empty(root.fd)
+    return True
 
 
 def busy_message(folder, marker):
@@ -136,10 +167,11 @@ def read_marker(fd):
 
 def write_marker(fd, digest, state):
     """Write the stage marker atomically (a new temporary file, then a rename)."""
+    from mpistage.runtime.envreap import owner_fields
     from mpistage.runtime.place import write_fields
 
     tmp = f"{MARKER}.{_os.getpid()}"
-    fields = {"sha256": digest, "state": state}
+    fields = {"sha256": digest, "state": state, **owner_fields()}
     write_fields(fd, tmp, fields, _os.O_CREAT | _os.O_EXCL)
     _os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
 

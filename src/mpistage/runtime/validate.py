@@ -29,7 +29,13 @@ manifest's copy replaced before it is broadcast, so a module added next to
 the bundled ones (or a directory a job created beside its script) is found
 where it is, not reported absent, and does not make the bundle stale.
 Bytecode in ``__pycache__`` is never compared: Python writes there as it
-runs, and a cached file is only used when its source is unchanged.
+runs, and a cached file is only used when its source is unchanged. Nor
+does bytecode appearing make a directory changed: a directory whose mtime
+moved is compared by its entries (name and inode, ``__pycache__`` left
+out), so the first plain run of a program, which writes ``__pycache__``
+beside the sources, leaves its bundle fresh. The staged copy's own
+bytecode, if the bundle has any, came with the sources it was made from,
+and Python checks it against the staged source, never the original.
 Directories are looked up relative to the root's open descriptor, so a
 check costs one lookup per path component.
 """
@@ -117,7 +123,34 @@ def root_changed(fd, root):
         return False
     st = _os.fstat(fd)
     ino, mtime_ns = root["identity"]
-    return st.st_ino != ino or bool(root.get("stdlib")) and st.st_mtime_ns != mtime_ns
+    if st.st_ino != ino:
+        return True
+    return bool(root.get("stdlib")) and dir_changed(
+        st, mtime_ns, root.get("entries"), lambda: _os.dup(fd)
+    )
+
+
+def dir_changed(st, mtime_ns, entries, opener):
+    """Whether a directory changed: its mtime moved, and not only by bytecode.
+
+    *entries* is the digest recorded when the bundle was made (``None`` in
+    older bundles: then the mtime alone decides); *opener* returns a
+    readable descriptor of the directory, which this closes.
+    """
+    if st.st_mtime_ns == mtime_ns:
+        return False
+    if entries is None:
+        return True
+    from mpistage.runtime.roots import entries_digest
+
+    try:
+        fd = opener()
+    except OSError:
+        return True
+    try:
+        return entries_digest(fd) != entries
+    finally:
+        _os.close(fd)
 
 
 def pth_changed(root, recorded):
@@ -140,7 +173,10 @@ def partial_changed(manifest, index, dirs, limit):
         if rel in members:
             continue  # a directory member: checked with the members
         try:
-            changed = dirs.stat(rel).st_mtime_ns != info["mtime_ns"]
+            st = dirs.stat(rel)
+            changed = dir_changed(
+                st, info["mtime_ns"], info.get("entries"), lambda r=rel: dirs.reopen(r)
+            )
         except OSError:
             changed = True
         if changed:
@@ -192,12 +228,20 @@ def member_changed(fd, member, strict, dirs=None):
     if "ino" in member and st.st_ino != member["ino"]:
         return True
     if member["type"] == "dir":
-        return st.st_mtime_ns != member["mtime_ns"]
+        opener = lambda: reopen(fd, member, dirs)  # noqa: E731
+        return dir_changed(st, member["mtime_ns"], member.get("entries"), opener)
     if member["type"] == "link":
         return False
     if st.st_size != member["size"] or st.st_mtime_ns != member["mtime_ns"]:
         return True
     return strict and digest(fd, member["rel"]) != member.get("sha256")
+
+
+def reopen(fd, member, dirs):
+    """Return a readable descriptor of the directory *member* (to list it)."""
+    if dirs:
+        return dirs.reopen(member["rel"])
+    return _os.open(member["rel"], PathFds.LISTABLE, dir_fd=fd)
 
 
 class PathFds:
@@ -208,6 +252,7 @@ class PathFds:
     """
 
     FLAGS = getattr(_os, "O_PATH", _os.O_RDONLY) | _os.O_DIRECTORY | _os.O_CLOEXEC
+    LISTABLE = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC | _os.O_NOFOLLOW
 
     def __init__(self, root_fd):
         self.fds = {"": root_fd}
@@ -233,6 +278,11 @@ class PathFds:
         """``lstat`` *rel*, relative to its parent's descriptor."""
         parent, _, name = rel.rpartition("/")
         return _os.stat(name, dir_fd=self.fd(parent), follow_symlinks=False)
+
+    def reopen(self, rel):
+        """Open the directory *rel* for listing; the caller closes it."""
+        parent, _, name = rel.rpartition("/")
+        return _os.open(name, self.LISTABLE, dir_fd=self.fd(parent))
 
     def close(self):
         """Close the descriptors this opened."""

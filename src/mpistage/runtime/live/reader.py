@@ -69,6 +69,7 @@ class Reader:
         self.kept = set()  # sources kept on the reader's node only (--auto)
         self.sources = sources
         self.stats, self.links = {}, set()  # kept when learning (sources)
+        self.digests = {}  # listed directory: its entries' digest (learning)
         self.counts = {"listings": 0, "files": 0, "bytes": 0}
 
     def items(self, key):
@@ -214,21 +215,30 @@ class Reader:
         except OSError as exc:
             return False if exc.errno == errno.ENOTDIR else None
 
-    def learn(self, path, st, entries=()):
-        """Keep the stat of *path* (and its symlinked entries) for ``--auto``."""
+    def learn(self, path, st, entries=None):
+        """Keep the stat of *path* (and of a directory, what its *entries* say).
+
+        For ``--auto``: which entries are symlinks and the digest of names
+        and inodes come from the entries' types and inodes, no stat.
+        """
+        from mpistage.runtime.roots import digest_of
+
         self.stats[path] = st
+        if entries is None:
+            return
+        self.digests[path] = digest_of(entries)
         for entry in entries:
-            if entry.is_symlink():  # the entry's type: no stat
+            if entry.is_symlink():
                 self.links.add(f"{path}/{entry.name}")
 
     def facts(self):
-        """Return what the reader learned: listings, stats and symlinks by path.
+        """Return what the reader learned: listings, stats, symlinks, digests.
 
         Listings are in the one form of :func:`~mpistage.runtime.roots.listing`
         (directories end in ``/``; the marks of other entries taken off).
         """
         listings = {path: plain(known[0]) for path, known in self.listings.items()}
-        return listings, self.stats, self.links
+        return listings, self.stats, self.links, self.digests
 
     def stat(self, folder, name):
         """Return the stat of *name* in *folder*, or ``None``."""

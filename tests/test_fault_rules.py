@@ -215,3 +215,49 @@ def test_a_forked_child_imports_as_plain_python(tmp_path, stage_env):
     result = launch(2, [target], env, tmp_path, timeout=90)
     assert result.returncode == 0, result
     assert results(env, 2) == [["forked", "forked"]] * 2
+
+
+# -- a fresh look after importlib.invalidate_caches() --------------------------------
+
+SWAPPED = """
+import importlib, os, sys
+import v1only
+current = os.environ["CURRENT"]
+os.replace(current + ".next", current)  # the link now leads to v2
+importlib.invalidate_caches()
+import v2only
+emit([v1only.WHO, v2only.WHO])
+"""
+
+
+def test_a_swapped_symlink_is_followed_after_invalidate_caches(tmp_path, stage_env):
+    for version in ("v1", "v2"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / f"{version}only.py").write_text(f"WHO = '{version}'\n")
+    current = tmp_path / "current"
+    target = write_target(tmp_path / "swap.py", SWAPPED)
+    expected = ["v1", "v2"]
+    for how, ranks in (("plain", 0), ("live", 4)):
+        for link in (current, tmp_path / "current.next"):
+            link.unlink(missing_ok=True)
+        current.symlink_to(tmp_path / "v1")
+        (tmp_path / "current.next").symlink_to(tmp_path / "v2")
+        env = dict(stage_env, PYTHONPATH=str(current), CURRENT=str(current))
+        if how == "plain":
+            done = run([PYTHON, target], env=env, cwd=tmp_path)
+            assert done.returncode == 0, done
+            got = json.loads((tmp_path / "out" / "plain.json").read_text())
+            assert got == expected
+            (tmp_path / "out" / "plain.json").unlink()
+            continue
+        # Every rank swaps the link: only the first rename finds current.next.
+        body = SWAPPED.replace(
+            'os.replace(current + ".next", current)',
+            "from mpi4py import MPI\n"
+            'if MPI.COMM_WORLD.rank == 0: os.replace(current + ".next", current)\n'
+            "MPI.COMM_WORLD.Barrier()",
+        )
+        target = write_target(tmp_path / "swap4.py", body)
+        result = launch(ranks, [target], env, tmp_path, timeout=60)
+        assert result.returncode == 0, result
+        assert results(env, ranks) == [expected] * ranks

@@ -183,9 +183,14 @@ class Reader:
     def listing(self, path, out, again=False):
         """Return the listing of *path*; add it as an item when (re)read.
 
-        It is read once, and *again* when a rank asks for a fresh one.
+        It is read once, and *again* when a rank asks for a fresh one (after
+        ``importlib.invalidate_caches()``): then the path is looked up anew
+        from ``/``, so a symlink on the way swapped since is followed as
+        plain python follows it.
         """
         known = self.listings.get(path)
+        if again:
+            self.forget(path)
         if known is None or again:
             entries = self.list_dir(path)
             version = known[1] + 1 if known else 0
@@ -297,6 +302,16 @@ class Reader:
             fd = _os.open(name, want, dir_fd=fd)
             self.keep(step, fd, want)
         return fd
+
+    def forget(self, path):
+        """Close the descriptors of *path* and its ancestors: look them up anew."""
+        while True:
+            held = self.fds.pop(path, None)
+            if held is not None:
+                _os.close(held[0])
+            if path == "/":
+                return
+            path = _os.path.dirname(path)
 
     def keep(self, path, fd, flags):
         """Remember a directory descriptor; close the least recently used."""

@@ -61,21 +61,28 @@ print(json.dumps({
 """
 
 # The issue's deadlock: rank 0 is in a collective on a communicator of its
-# own while the other ranks import, which rank 0 serves under live imports.
-PROBE = """\
+# own while the other ranks import, which rank 0 serves under live imports:
+# json, email.message, decimal and the test package, then one module of the
+# package a round (without a fix, rank 0 in ``Dup`` did not hang here; in
+# ``allreduce`` it did).
+ROUNDS = 8
+PROBE = f"""\
+import importlib
 from mpi4py import MPI
 world = MPI.COMM_WORLD
-if world.rank == 0:
-    sub = MPI.COMM_WORLD.Dup()
-    total = sub.allreduce(1)
-    import json, email.message, decimal
-    import srcpkg.sub
-else:
-    import json, email.message, decimal
-    import srcpkg.sub
-    sub = MPI.COMM_WORLD.Dup()
-    total = sub.allreduce(1)
-print(json.dumps([total == world.size, srcpkg.sub.TWICE,
+sub = MPI.COMM_WORLD.Dup()
+rounds = [["json", "email.message", "decimal", "srcpkg.sub"]]
+rounds += [[f"srcpkg.m{{i}}"] for i in range({ROUNDS})]
+total = 0
+for names in rounds:
+    if world.rank != 0:
+        for name in names:
+            importlib.import_module(name)
+    total += sub.allreduce(1)
+import decimal, email.message, json
+import srcpkg.sub
+last = importlib.import_module("srcpkg.m{ROUNDS - 1}")
+print(json.dumps([total == {ROUNDS + 1} * world.size, srcpkg.sub.TWICE, last.M,
                   str(decimal.Decimal("0.1") * 3), email.message.Message().get("x")]))
 """
 
@@ -90,6 +97,9 @@ def work(tmp_path_factory):
     (pkg / "__init__.py").write_text("VALUE = 21\n")
     (pkg / "sub.py").write_text("from srcpkg import VALUE\nTWICE = 2 * VALUE\n")
     (pkg / "data" / "table.txt").write_text("1 2 3\n")
+    for i in range(ROUNDS):  # what the probe imports, a module a round
+        text = f"import decimal, json\nfrom srcpkg import VALUE\nM = VALUE + {i}\n"
+        (pkg / f"m{i}.py").write_text(text)
     install_record(site, "srcpkg", "1.0")
     app = base / "app"
     app.mkdir()
@@ -244,7 +254,12 @@ def test_stdlib_bundle(venv, work, stdlib_bundle, entry, tmp_path):
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_collective_on_rank_0_while_others_import(venv, work, entry, tmp_path):
-    """Rank 0 in ``Dup`` and ``allreduce`` while the others import: no hang."""
+    """Rank 0 in ``Dup`` and ``allreduce`` while the others import: no hang.
+
+    (The app of the other tests meets it too, when rank 0 reaches its
+    ``allreduce`` while the others still import what ``EmailMessage()``
+    imports lazily.)
+    """
     result, facts = venv.launch(entry, [], work["probe"], tmp_path)
     facts = venv.check(result, facts, "probe", tmp_path)
     assert facts["live"]["mode"] == "live", facts

@@ -22,7 +22,8 @@ import pytest
 from launchertools import run, source_missing, source_venv
 from stagetools import clean_environ, install_record, job_dirs
 
-pytestmark = pytest.mark.launchers
+# A job ended by MPI_Abort leaves its MPICH segments: reaped after each test.
+pytestmark = [pytest.mark.launchers, pytest.mark.usefixtures("reap_mpich_shm")]
 
 if source_missing():  # the whole tier, with one line
     pytest.skip(

@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mpistage-installed
 
-.PHONY: demo test test-fast lint venv system launchers clean
+.PHONY: demo test test-fast lint venv system system-demo launchers clean
 
 venv: $(STAMP)
 
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[mpich,test,bench,env,packages]"
 	touch $@
 
+# What each target needs from Debian: the demo only fuse3, strace and a C
+# compiler; the test suite's launcher tier also Slurm, munge, Open MPI, MPICH.
+system-demo:
+	./scripts/ensure-system-packages demo
+
 system:
-	./scripts/ensure-system-packages
+	./scripts/ensure-system-packages launchers
 
 lint: venv
 	$(VENV)/bin/ruff check src tests benchmarks bin
@@ -44,7 +49,7 @@ test: venv system lint launchers
 test-fast: venv lint
 	$(PY) -m pytest -q -m "not slow and not packages and not launchers"
 
-demo: venv system
+demo: venv system-demo
 	./scripts/demo
 
 clean:

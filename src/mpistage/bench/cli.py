@@ -21,13 +21,28 @@ VERBS = {
 }
 
 
+HELP = """\
+usage: mpistage bench VERB [options]   (mpistage bench VERB --help for each)
+
+verbs:
+  run       compare start-up modes side by side on a simulated shared file
+            system (what `make demo` runs; docs/bench.md)
+  data      compare reads of a shared data file
+  model     predict start-up at 1k-128k ranks from measured inputs
+  generate  write a Pynamic-like workload of generated packages
+  simfs     mount the simulated shared file system: simfs SRC MOUNTPOINT
+  unmount   unmount it: unmount MOUNTPOINT
+  stats     print its operation counts: stats MOUNTPOINT"""
+
+
 def main(argv):
     """Dispatch ``mpistage bench VERB ...``; return the exit status."""
     import importlib
 
     if not argv or argv[0] not in VERBS:
-        print(f"usage: mpistage bench {{{','.join(VERBS)}}} ...", file=_sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 1
+        wanted = argv[:1] in (["-h"], ["--help"])
+        print(HELP, file=_sys.stdout if wanted else _sys.stderr)
+        return 0 if wanted else 1
     verb, rest = argv[0], argv[1:]
     module = importlib.import_module(VERBS[verb])
     exit_on_term()

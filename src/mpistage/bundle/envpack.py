@@ -181,7 +181,18 @@ def take_libraries(roots, env, exclude_libs):
             outside[name] = path
     for _name, path in sorted(outside.items()):
         roots.add(_os.path.dirname(path), path)
-    return outside, missing
+    return outside, unbundled(roots, missing)
+
+
+def unbundled(roots, missing):
+    """Return the names of *missing* that no file chosen so far carries.
+
+    A library one ELF file cannot find on its own search path (no run path
+    to a wheel's ``.libs``) may still be in the bundle, for the files that
+    do find it: that one is not missing.
+    """
+    names = {_os.path.basename(p) for root in roots.paths for p in roots.taken(root)}
+    return [name for name in missing if name not in names]
 
 
 def destination(roots, env, root):

@@ -162,6 +162,12 @@ def walk(path, files):
             yield _os.path.abspath(found)
 
 
+# A tool's progress display (mpistage.cli.progress): ``observer(total)`` is
+# called with the number of members and returns ``advance(size)``, called per
+# member written. None in a job: rank 0 of an --auto run writes silently.
+observer = None
+
+
 def write(output, selection, fields):
     """Write the bundle of *selection* to *output*; return its manifest.
 
@@ -186,10 +192,14 @@ def write(output, selection, fields):
         "roots": roots,
     }
     owned = [set(r.pop("_owned")) for r in roots]
+    records = list(selection.records())
+    advance = observer(len(records)) if observer is not None else None
     with Writer(output, files) as writer:
-        for index, path, member in selection.records():
+        for index, path, member in records:
             rel = member.rel
             writer.add(index, rel, member.source, member.data, rel in owned[index])
+            if advance is not None:
+                advance(writer.members[-1]["size"])
             if incomplete(selection, index, path):
                 writer.members[-1]["partial"] = True
         for index, rel, target in selection.links:

@@ -26,6 +26,24 @@ def main(argv):
     except StageError as exc:
         error(exc)
         return 1
+    except KeyboardInterrupt:
+        error(f"{name} interrupted")
+        return 130
+    except BrokenPipeError:
+        return closed_stdout()
+
+
+def closed_stdout():
+    """End quietly when the reader of stdout left (``mpistage inspect | head``).
+
+    Python would otherwise print a second traceback when it flushes stdout
+    at exit; pointing stdout at /dev/null first keeps that quiet too.
+    """
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, _sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a shell tool killed by it returns
 
 
 def error(message):

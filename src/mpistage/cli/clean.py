@@ -149,12 +149,53 @@ def parser():
     )
     p.add_argument("dir", nargs="?", help="a directory `mpistage stage` filled")
     p.add_argument("--dry-run", action="store_true", help="list, do not remove")
+    cache = p.add_argument_group(
+        "the --auto cache",
+        "--cache removes the bundles --auto keeps (each is learned again on its "
+        "program's next --auto run), or only those past a limit; with --dry-run "
+        "it lists them with their sizes and days since last use",
+    )
+    cache.add_argument("--cache", action="store_true", help="trim the --auto cache")
+    cache.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache (default: $MPISTAGE_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/mpistage or ~/.cache/mpistage)",
+    )
+    cache.add_argument(
+        "--older-than",
+        type=float,
+        metavar="DAYS",
+        help="remove only bundles unused for more than DAYS days",
+    )
+    cache.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="then remove the least recently used until the cache holds at "
+        "most SIZE (e.g. 2GB, 500MiB)",
+    )
     return p
 
 
 def main(argv):
     """Run ``mpistage clean``; return the exit status."""
     args = parser().parse_args(argv)
+    if args.cache or args.cache_dir or args.older_than or args.max_size:
+        return main_cache(args)
     for root in clean(args.dir, dry_run=args.dry_run):
         print(("would remove " if args.dry_run else "removed ") + root)
+    return 0
+
+
+def main_cache(args):
+    """Run ``mpistage clean --cache``; return the exit status."""
+    from mpistage.bench.units import parse_size
+    from mpistage.cli.cache import clean_cache, report
+    from mpistage.runtime.auto import cache_dir
+
+    if args.dir:
+        raise StageError("--cache trims the --auto cache: give no DIR")
+    limit = parse_size(args.max_size, "--max-size") if args.max_size else None
+    gone, kept = clean_cache(args.cache_dir, args.older_than, limit, args.dry_run)
+    report(gone, kept, args.dry_run, cache_dir(args.cache_dir))
     return 0

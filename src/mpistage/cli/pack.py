@@ -13,6 +13,12 @@ def parser():
     )
     p.add_argument("-o", "--output", required=True, help="the bundle to write")
     p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress while writing (shown only on a terminal anyway)",
+    )
+    p.add_argument(
         "names",
         nargs="*",
         metavar="NAME",
@@ -67,18 +73,20 @@ def main(argv):
     """Run ``mpistage pack``; return the exit status."""
     from mpistage import pack
     from mpistage.bundle.inspect import render
+    from mpistage.cli.progress import shown
 
     args = parser().parse_args(argv)
-    manifest = pack(
-        args.output,
-        args.names,
-        paths=args.paths,
-        exclude=args.exclude,
-        stdlib=args.stdlib,
-        tests=args.tests,
-        env=args.env,
-        exclude_lib=args.exclude_lib,
-    )
+    with shown("pack", quiet=args.quiet):
+        manifest = pack(
+            args.output,
+            args.names,
+            paths=args.paths,
+            exclude=args.exclude,
+            stdlib=args.stdlib,
+            tests=args.tests,
+            env=args.env,
+            exclude_lib=args.exclude_lib,
+        )
     print(f"wrote {args.output}")
     print(render(manifest))
     missing = manifest.get("env", {}).get("missing")

@@ -15,9 +15,15 @@ def parser():
         prog="mpistage record",
         description="Run a command once and bundle what its Python processes used.",
         usage="mpistage record -o OUT.mpistage [--granularity package|file] "
-        "[--stdlib] -- CMD [ARG ...]",
+        "[--no-stdlib] [-q] -- CMD [ARG ...]",
     )
     p.add_argument("-o", "--output", required=True, help="the bundle to write")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress while writing (shown only on a terminal anyway)",
+    )
     p.add_argument(
         "--granularity",
         choices=("package", "file"),
@@ -46,15 +52,17 @@ def main(argv):
     """Run ``mpistage record``; return the exit status."""
     from mpistage.bundle.inspect import render
     from mpistage.bundle.record import record
+    from mpistage.cli.progress import shown
 
     args = parser().parse_args(argv)
-    manifest = record(
-        args.output,
-        args.command,
-        granularity=args.granularity,
-        stdlib=args.stdlib,
-        usage=args.usage,
-    )
+    with shown("record", quiet=args.quiet):
+        manifest = record(
+            args.output,
+            args.command,
+            granularity=args.granularity,
+            stdlib=args.stdlib,
+            usage=args.usage,
+        )
     print(f"wrote {args.output}")
     print(render(manifest))
     return 0

@@ -104,7 +104,8 @@ def ensure_writable(path, why):
         _os.makedirs(folder, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise StageError(
-            f"cannot create the --auto cache {folder!r}: {exc.strerror}"
+            f"cannot create the --auto cache {folder!r}: {exc.strerror}; give "
+            "--cache-dir DIR or MPISTAGE_CACHE_DIR"
         ) from None
     if not _os.access(folder, _os.W_OK | _os.X_OK):
         raise StageError(

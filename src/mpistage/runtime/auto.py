@@ -326,7 +326,7 @@ class Recorder:
         self.stop()
         paths = self.paths | mapped_files()
         paths |= module_files(self.preloaded | set(served))
-        paths = originals(paths)
+        paths = originals(paths) - main_script()
         entries = [_os.path.abspath(p or ".") for p in _sys.path]
         entries += finder_roots(entries)
         return {
@@ -340,6 +340,20 @@ class Recorder:
             "start_path": sorted(set(self.start_path) | script_dir()),
             "started_ns": self.started_ns,
         }
+
+
+def main_script():
+    """Return the program's own script (as given, and resolved): no bundle holds it.
+
+    Every rank reads it anyway (it is what the job runs), and in the
+    bundle each edit of it would make the bundle stale. ``sys.argv[0]``
+    names it (Python takes ``__file__`` off ``__main__`` once it has run).
+    """
+    script = _sys.argv[0] if _sys.argv else ""
+    if script in ("", "-c", "-m") or not script.endswith(".py"):
+        return set()
+    path = _os.path.abspath(script)
+    return {_os.path.normpath(path), _os.path.realpath(path)}
 
 
 # event: (kind, index of the path, index of its directory descriptor)

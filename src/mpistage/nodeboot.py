@@ -446,11 +446,6 @@ class Meeting:
         if failed:
             raise Declined("the node's first rank failed: " + failed.get("reason", "?"))
         owner = read_owner(self.fd)
-        if owner and owner.get("job") != self.owner_job():
-            raise Declined(
-                f"{self.path} is of another launch ({owner.get('job')!r}), "
-                "not of this one"
-            )
         if owner and owner.get("host") == _os.uname().nodename:
             if not alive(owner.get("pid")):
                 raise Declined(

@@ -15,7 +15,7 @@ over.
 import os as _os
 import sys as _sys
 
-from mpistage import TOOLS
+from mpistage import COMMANDS, TOOLS
 
 
 def main(argv=None):
@@ -52,6 +52,20 @@ def main(argv=None):
 
         leave()
     _sys.exit(status)
+
+
+def tool_path(argv=None):
+    """A tool or the stager: take the start directory off ``sys.path``.
+
+    ``python -m`` and the ``mpistage`` command put it first, as the
+    runner's program expects. mpistage's own work never imports from it,
+    and one that others can write (``/tmp``, a group's project directory)
+    would run their modules as this user, in every process that
+    ``mpistage run`` starts.
+    """
+    argv = _sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS and not getattr(_sys.flags, "safe_path", 0):
+        del _sys.path[0]
 
 
 def looks_like_command(word):
@@ -104,4 +118,5 @@ def crash(world, exc):
 
 
 if __name__ == "__main__":
+    tool_path()
     main()

@@ -22,7 +22,12 @@ pays it:
 A rank recognises its launch from the launcher
 (:func:`~mpistage.nodeimport.launch`): Slurm's job and step, PMIx's
 namespace, Flux's job, or for Hydra the ``hydra_pmi_proxy`` it runs under
-(its pid and start time). Emulated nodes
+(its pid and start time). Variables can be inherited, so two launches may
+carry one name: the place's owner record and the first rank's record also
+name the launch's *instance* (:func:`~mpistage.nodeimport.instance`), the
+launcher's process that started this node's ranks, made anew for each
+launch; a follower uses only a place of its own instance, and checks
+every field of the record before it uses one. Emulated nodes
 (``MPISTAGE_EMULATE_NODES``) meet at a place of their own each. The place
 is ``<candidate>/mpistage-<uid>/boot-<launch>.<node>`` in the first
 staging candidate that passes the safe-directory rules of
@@ -52,7 +57,9 @@ from mpistage.nodeimport import (
     RECORD,
     VERSION,
     Declined,
+    bad_shape,
     identity,
+    instance,
     launch,
     place_name,
     read_fd,
@@ -230,6 +237,7 @@ class Meeting:
 
     def __init__(self, launch, name, candidate_fd, user_fd, path):
         self.launch, self.name, self.path = launch, name, path
+        self.instance = None  # the launcher's process that started our ranks
         self.candidate_fd, self.user_fd = candidate_fd, user_fd
         self.fd = self.root = None
         self.made = False  # this rank made the place (it may remove it)
@@ -246,9 +254,12 @@ class Meeting:
             name = launch()
             if name is None:
                 raise Declined("no launcher tells which ranks share this node")
+            started_by = instance()
+            if started_by is None:
+                raise Declined("no launcher process started this rank")
             seconds = wait_seconds()
             meeting = cls.open(name, place_name(name))
-            meeting.seconds = seconds
+            meeting.seconds, meeting.instance = seconds, started_by
             return meeting
         except StageError as exc:
             raise Declined(str(exc)) from None
@@ -309,7 +320,11 @@ class Meeting:
         self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
         self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
         guard(self.root)
-        write_owner(self.root, self.launch, kind="boot")
+        write_owner(self.root, self.owner_job(), kind="boot")
+
+    def owner_job(self):
+        """The owner record's job: the launch and its instance on this node."""
+        return f"{self.launch}@{self.instance}"
 
     def to_follow(self):
         """Whether the place that exists is one to follow rather than wait out.
@@ -439,11 +454,18 @@ class Meeting:
                 )
 
     def check(self, record):
-        """Return *record* if it is of this launch and interpreter, else decline."""
+        """Return *record* if it is of this launch and interpreter, else decline.
+
+        Every field is checked before any is used: a record of the wrong
+        shape is a decline, never an error.
+        """
         if not isinstance(record, dict) or record.get("version") != VERSION:
             raise Declined(f"{self.path}/{RECORD} is of another mpistage version")
-        if record.get("launch") != self.launch:
-            other = record.get("launch")
+        wrong = bad_shape(record)
+        if wrong:
+            raise Declined(f"{self.path}/{RECORD} {wrong}")
+        if (record["launch"], record["instance"]) != (self.launch, self.instance):
+            other = f"{record['launch']}@{record['instance']}"
             raise Declined(f"{self.path} is of another launch ({other!r})")
         if record.get("identity") != identity():
             raise Declined(

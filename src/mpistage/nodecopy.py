@@ -67,7 +67,7 @@ def import_and_copy(meeting):
         meeting.fail(describe(exc))
         raise
     try:
-        write_record(meeting.fd, recorder.record(meeting.launch))
+        write_record(meeting.fd, recorder.record(meeting.launch, meeting.instance))
     except (OSError, ValueError) as exc:
         give_up(meeting, f"cannot write the record: {exc}")
     start()
@@ -275,11 +275,12 @@ class ImportRecorder(Hook):
                 self.libraries[name] = ("error", str(exc))
             raise
 
-    def record(self, launch):
+    def record(self, launch, instance):
         """Return the record the followers read."""
         return {
             "version": VERSION,
             "launch": launch,
+            "instance": instance,
             "identity": identity(),
             "modules": self.modules,
             "missing": self.missing,

@@ -197,6 +197,10 @@ FILES = "files"  # the copies, below it at their original absolute paths
 VERSION = 1  # of the record
 KEY_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD")  # what else decides what a rank loads
 PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
+# The processes that start a launch's ranks on a node, one per launch and
+# node: its instance is one of them, named by its pid and start time.
+STARTERS = ("slurmstepd", "hydra_pmi_proxy", "orted", "prted", "prterun", "orterun",
+            "flux-shell", "palsd", "mpirun", "mpiexec")  # fmt: skip
 ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 NAME_CHARS = frozenset(LETTERS + LETTERS.upper() + "0123456789._-")
@@ -257,6 +261,19 @@ def launch():
     return f"hydra-{proxy[0]}-{proxy[1]}" if proxy else None
 
 
+def instance():
+    """Name this launch's instance on this node, or ``None``: what starts its ranks.
+
+    Variables name a launch, but a child inherits them (an ``FLUX_JOB_ID``
+    passed on to an ``mpiexec`` inside the job): two launches may carry the
+    same name. The launcher's process that starts the ranks of this node
+    (``slurmstepd``, ``hydra_pmi_proxy``, ``orted``, ``flux-shell``...) is
+    made anew for each launch; its pid and start time name it uniquely.
+    """
+    found = ancestor(lambda comm: comm.startswith(STARTERS))
+    return f"{found[0]}-{found[1]}" if found else None
+
+
 def launcher_proxy():
     """Return (pid, start time) of the launcher proxy this rank runs under, or None.
 
@@ -264,13 +281,18 @@ def launcher_proxy():
     (perhaps through a wrapper such as ``sh -c``); its pid and its start
     time, in clock ticks since boot, name it uniquely on the node.
     """
+    return ancestor(lambda comm: comm in PROXIES)
+
+
+def ancestor(wanted):
+    """Return (pid, start time) of the nearest ancestor whose name is *wanted*."""
     pid = _os.getppid()
     for _level in range(ANCESTORS):
         found = proc_stat(pid)
         if found is None:
             return None
         comm, ppid, started = found
-        if comm in PROXIES:
+        if wanted(comm):
             return pid, started
         if ppid <= 1:
             return None
@@ -325,3 +347,67 @@ def safe_name(text):
     if kept == text and len(text) <= NAME_MAX:
         return text
     return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
+
+
+# -- the record's shape: a follower checks every field before it uses one --------
+
+MODULE_SHAPES = {
+    "code": (str, (str, type(None)), bool, list, bytes, str),
+    "ext": (str, str, (str, type(None)), (list, type(None))),
+}
+RECORD_SHAPE = {
+    "version": int, "launch": str, "instance": str, "identity": str,
+    "modules": dict, "missing": list, "libraries": dict, "first": dict,
+    "files": int, "bytes": int, "declined": list,
+}  # fmt: skip
+
+
+def bad_shape(record):
+    """Return what is wrong with the shape of a node boot *record*, or ``None``."""
+    if not isinstance(record, dict):
+        return "is not a record"
+    for key, kind in RECORD_SHAPE.items():
+        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
+            return f"has no {key} of the right kind"
+    for name, entry in record["modules"].items():
+        if not isinstance(name, str) or not module_entry(entry):
+            return f"has a module entry of the wrong shape ({name!r})"
+    if not all(isinstance(n, str) for n in record["missing"]):
+        return "has a missing name that is no string"
+    for name, rel in record["libraries"].items():
+        error = isinstance(rel, tuple) and len(rel) == 2 and rel[0] == "error"
+        if not isinstance(name, str) or not (inside(rel) or error and strings(rel)):
+            return f"has a library entry of the wrong shape ({name!r})"
+    for name, rels in record["first"].items():
+        if not isinstance(name, str) or not isinstance(rels, list):
+            return f"has a first-loaded entry of the wrong shape ({name!r})"
+        if not all(inside(rel) for rel in rels):
+            return f"has a first-loaded copy outside the place ({name!r})"
+    return None
+
+
+def module_entry(entry):
+    """Whether *entry* is a record's module: ``("code", ...)`` or ``("ext", ...)``."""
+    if not isinstance(entry, tuple) or not entry or entry[0] not in MODULE_SHAPES:
+        return False
+    kinds = MODULE_SHAPES[entry[0]]
+    fields = entry[1:]
+    if len(fields) != len(kinds):
+        return False
+    if not all(isinstance(f, k) for f, k in zip(fields, kinds, strict=True)):
+        return False
+    if entry[0] == "ext":
+        return inside(fields[1]) and strings(fields[3] or ())
+    return fields[5] in ("source", "sourceless") and strings(fields[3])
+
+
+def strings(items):
+    """Whether every item of *items* is a string."""
+    return all(isinstance(item, str) for item in items)
+
+
+def inside(rel):
+    """Whether *rel* names a file below the place: relative, no ``..`` or ``""``."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in rel.split("/"))

@@ -18,11 +18,42 @@ import os as _os
 
 from mpistage import StageError
 
-# sh -c REMOVE_STAGE mpistage-clean DIR...: remove each DIR that holds the
-# marker of `mpistage stage` (complete or interrupted); remove it if the
-# failed stage step left it empty; leave anything else and say so.
-REMOVE_STAGE = r"""
+# mine DIR TOKEN: if the run with TOKEN made DIR, print what it made ("dir":
+# the directory; "contents": only what is inside an existing one), a space
+# and DIR's real path. It made it if DIR is this user's directory, not a
+# symlink, with a stage marker of this user (a regular file, no symlink)
+# that holds TOKEN and, as the path DIR was made at, the path DIR resolves
+# to now.
+MINE = r"""
+mine() {
+  [ -n "$2" ] && [ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || return 1
+  [ -f "$1/.mpistage-stage" ] && [ ! -L "$1/.mpistage-stage" ] &&
+    [ -O "$1/.mpistage-stage" ] || return 1
+  _real=$(cd -P -- "$1" 2>/dev/null && pwd -P) || return 1
+  _token= _path= _made=contents
+  while IFS= read -r _line || [ -n "$_line" ]; do
+    case $_line in
+      token=*) _token=${_line#token=} ;;
+      path=*) _path=${_line#path=} ;;
+      made=dir) _made=dir ;;
+    esac
+  done < "$1/.mpistage-stage"
+  [ "$_token" = "$2" ] && [ "$_path" = "$_real" ] || return 1
+  printf '%s %s\n' "$_made" "$_real"
+}
+"""
+
+# sh -c REMOVE_STAGE mpistage-clean TOKEN DIR...: remove what the run with
+# TOKEN made of each DIR (the directory, or what it put in an existing one);
+# leave anything else: another run's stage, one reached through a symlink,
+# a directory or a marker of another user. A symlink or a directory not
+# this user's is said in one line.
+REMOVE_STAGE = (
+    MINE
+    + r"""
 status=0
+token=$1
+shift
 node=${SLURMD_NODENAME:-$(uname -n)}
 for dir in "$@"; do
   if [ -L "$dir" ]; then
@@ -33,14 +64,18 @@ for dir in "$@"; do
   elif [ ! -d "$dir" ] || [ ! -O "$dir" ]; then
     echo "mpistage: error: on $node: $dir is not your directory; left as it is" >&2
     status=1
-  elif [ -f "$dir/.mpistage-stage" ] && [ ! -L "$dir/.mpistage-stage" ]; then
-    rm -rf -- "$dir" || status=1
-  else
-    rmdir -- "$dir" 2>/dev/null || :
+  elif found=$(mine "$dir" "$token"); then
+    real=${found#* }
+    if [ "${found%% *}" = dir ]; then
+      rm -rf -- "$real" || status=1
+    else
+      (cd -P -- "$real" && rm -rf -- ./* ./.[!.]* ./..?*) || status=1
+    fi
   fi
 done
 exit $status
 """
+)
 
 
 def clean(folder=None, dry_run=False):

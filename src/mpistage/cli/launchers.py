@@ -182,12 +182,18 @@ class Launch:
         return name.lstrip("-") if self.dashes else name
 
     def attached(self, word):
-        """Whether *word* is a short option with its value attached (``-n4``)."""
+        """Whether *word* is a short option with its value attached (``-n4``).
+
+        Where long options take one dash (Open MPI, Hydra), ``-nolocal`` is
+        an option of its own, not ``-n olocal``: only a number is read as
+        attached there (``-n4``). ``srun`` reads options as ``getopt`` does.
+        """
         key = self.key(word[:2])
         return (
             len(word) > 2
             and not word.startswith("--")
             and self.options.get(key, ("", 0))[1] == 1
+            and (not self.dashes or word[2:].isdigit())
         )
 
     @property

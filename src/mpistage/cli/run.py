@@ -16,10 +16,13 @@ the launches of the environment path (docs/stage.md):
    (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``);
 3. the clean step, unless ``--keep``: ``(one per node) /bin/sh`` removing
    ``DIR`` (:data:`mpistage.cli.clean.REMOVE_STAGE`), which starts nothing
-   from the shared file system. It runs on every exit path: after the run
-   step, after a failed or interrupted stage step, after SIGINT or SIGTERM
-   (passed on to the step that runs, then the next steps are skipped). Its
-   own failure makes the exit status nonzero.
+   from the shared file system. It removes only what this run made: the
+   stage step writes this run's token (:attr:`Plan.token`, random) into
+   the stage marker of a ``DIR`` it makes, and the clean step checks it.
+   It runs on every exit path: after the run step, after a failed or
+   interrupted stage step, after SIGINT or SIGTERM (passed on to the step
+   that runs, then the next steps are skipped). Its own failure makes the
+   exit status nonzero.
 
 How a launcher starts one task per node is :mod:`mpistage.cli.launchers`.
 ``srun`` outside an allocation first makes one, with ``salloc`` and the
@@ -53,7 +56,7 @@ def parser():
     p.add_argument(
         "--to",
         metavar="DIR",
-        help="node-local directory (default: /dev/shm/mpistage-env-UID-JOB.PID; "
+        help="node-local directory (default: /dev/shm/mpistage-env-UID-JOB.PID.RANDOM; "
         "{node} becomes the node index)",
     )
     p.add_argument("--keep", action="store_true", help="keep DIR after the run")
@@ -86,6 +89,7 @@ class Plan:
 
         self.args = args
         self.launch = understand(args.command, args.stage_launcher)
+        self.token = _os.urandom(16).hex()  # this run's: in what its stage step makes
         self.folder = args.to or default_dir()
         self.bundle = _os.path.abspath(args.env)
         self.slurm = not args.stage_launcher and slurmstage.usable(
@@ -100,7 +104,7 @@ class Plan:
 
     def stage_command(self):
         """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
-        stage = ["stage", self.bundle, "--to", self.folder]
+        stage = ["stage", self.bundle, "--to", self.folder, "--token", self.token]
         entry = command_beside(self.launch.python)
         return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 
@@ -109,7 +113,9 @@ class Plan:
         if not self.slurm:
             return [self.stage_command()]
         extractor = slurmstage.write_extractor(_os.path.join(scratch, "stage.pyz"))
-        return slurmstage.commands(self.launch, self.bundle, self.folder, extractor)
+        return slurmstage.commands(
+            self.launch, self.bundle, self.folder, extractor, self.token
+        )
 
     def staged_python(self):
         """The command words that start this node's staged interpreter."""
@@ -140,14 +146,14 @@ class Plan:
         return dict(env, PYTHONNOUSERSITE="1")
 
     def clean_command(self):
-        """``(one per node) /bin/sh -c REMOVE_STAGE mpistage-clean DIR``.
+        """``(one per node) /bin/sh -c REMOVE_STAGE mpistage-clean TOKEN DIR``.
 
         Emulated nodes (``{node}`` in ``DIR``) share this machine: one
         shell, here, removes every node's directory.
         """
         from mpistage.cli.clean import REMOVE_STAGE
 
-        shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean"]
+        shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean", self.token]
         if self.slurm:
             inputs = slurmstage.inputs(self.folder)
             return [*self.launch.per_node(), *shell, self.folder, inputs]
@@ -175,12 +181,19 @@ def describe(command):
     return shlex.join(["..." if "\n" in w else w for w in command])
 
 
+# python -c SAFE_START ARGS: mpistage ARGS with nothing from the start
+# directory: -c (like -m) puts it first on sys.path, where others may write.
+SAFE_START = "import sys; del sys.path[0]; from mpistage.__main__ import main; main()"
+
+
 def command_beside(python):
     """How *python* starts mpistage: the ``mpistage`` command beside it, if any.
 
     The command finds the package with one look per ``sys.path`` entry;
-    ``-m mpistage`` first pays ``runpy``'s imports from the shared file
-    system, once per node of the stage step.
+    without it, :data:`SAFE_START` first pays ``runpy``'s and the package's
+    imports from the shared file system, once per node of the stage step.
+    Neither searches the start directory for mpistage's own modules
+    (``python -m mpistage`` would: an ``mpistage.py`` planted there runs).
     """
     import shutil
 
@@ -189,7 +202,7 @@ def command_beside(python):
         command = _os.path.join(_os.path.dirname(_os.path.abspath(found)), "mpistage")
         if _os.path.isfile(command):
             return [command]
-    return ["-m", "mpistage"]
+    return ["-c", SAFE_START]
 
 
 def node_index(nodes):
@@ -309,7 +322,8 @@ def in_allocation(salloc, argv, signals, env=None):
     ``salloc`` gives up the allocation when it gets SIGINT or SIGTERM, so
     they go to the ``mpistage run`` it started, which then cleans up.
     """
-    command = [*salloc, _sys.executable, "-m", "mpistage", "run", *argv]
+    python = _sys.executable
+    command = [*salloc, python, *command_beside(python), "run", *argv]
     try:
         child = _subprocess.Popen(command, env=env)
     except OSError as exc:
@@ -398,14 +412,18 @@ def error(message):
 
 
 def default_dir():
-    """``/dev/shm/mpistage-env-UID-JOB.PID`` (``{node}`` added for emulated nodes).
+    """``/dev/shm/mpistage-env-UID-JOB.PID.RANDOM`` (``{node}`` for emulated nodes).
 
     The pid of this ``mpistage run`` tells two runs of one job apart: each
-    stages and removes its own copy, and neither waits for the other.
+    stages and removes its own copy, and neither waits for the other. The
+    random part makes the name private, as a staging root's fallback is
+    (:func:`mpistage.runtime.place.private_dir`): another user cannot make
+    it first and so stop the job.
     """
     from mpistage.runtime.topology import job_id
 
     job = f"{job_id()}.{_os.getpid()}" if job_id() else str(_os.getpid())
+    job += "." + _os.urandom(6).hex()
     base = (
         "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
     )

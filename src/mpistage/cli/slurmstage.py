@@ -46,36 +46,45 @@ from mpistage.runtime.stager import main_here
 sys.exit(main_here(sys.argv[1:]))
 """
 
-# sh -c PREPARE mpistage-prepare DIR.in: a private directory, or an error.
-# The marker makes the clean step (REMOVE_STAGE) take it away too.
+# sh -c PREPARE mpistage-prepare DIR.in TOKEN: a new private directory, or an
+# error. An existing DIR.in is never adopted: it is not this run's. The
+# marker, with this run's token and the real path, makes the clean step
+# (REMOVE_STAGE) take it away too.
 PREPARE = r"""
 node=${SLURMD_NODENAME:-$(uname -n)}
 umask 077
-if mkdir -m 700 -- "$1" 2>/dev/null ||
-   { [ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] && chmod 700 -- "$1"; }; then
-  : > "$1/.mpistage-stage" && exit 0
+if mkdir -m 700 -- "$1" 2>/dev/null; then
+  real=$(cd -P -- "$1" && pwd -P) &&
+  printf 'token=%s\npath=%s\nmade=dir\n' "$2" "$real" > "$1/.mpistage-stage" &&
+  exit 0
+  rm -f -- "$1/.mpistage-stage"; rmdir -- "$1" 2>/dev/null
+  echo "mpistage: error: on $node: cannot prepare $1; not staged" >&2
+  exit 1
 fi
-echo "mpistage: error: on $node: $1 is not your directory; not staged" >&2
+echo "mpistage: error: on $node: $1 exists, not made by this run; not staged" >&2
 exit 1
 """
 
-# sh -c EXTRACT mpistage-extract DIR.in DIR SHARED_PYTHON: run the extractor
-# with the node's python (the shared one if the node has none, or too old).
+# sh -c EXTRACT mpistage-extract DIR.in DIR SHARED_PYTHON TOKEN: run the
+# extractor with the node's python (the shared one if the node has none, or
+# too old), then remove DIR.in if it is still the one this run made.
 EXTRACT = rf"""
 node=${{SLURMD_NODENAME:-$(uname -n)}}
-if [ -L "$1" ] || [ ! -O "$1" ]; then
-  echo "mpistage: error: on $node: $1 is not your directory; not staged" >&2
+{{MINE}}
+if ! found=$(mine "$1" "$4"); then
+  echo "mpistage: error: on $node: $1 is not this run's directory; not staged" >&2
   exit 1
 fi
+real=${{found#* }}
 python={NODE_PYTHON}
 [ -x "$python" ] || python=$3
-"$python" -E -s -S "$1/{EXTRACTOR}" "$1/{BUNDLE}" "$2"
+"$python" -E -s -S "$real/{EXTRACTOR}" "$real/{BUNDLE}" "$2" "$4"
 status=$?
 if [ $status -eq {TOO_OLD} ] && [ "$python" != "$3" ]; then
-  "$3" -E -s -S "$1/{EXTRACTOR}" "$1/{BUNDLE}" "$2"
+  "$3" -E -s -S "$real/{EXTRACTOR}" "$real/{BUNDLE}" "$2" "$4"
   status=$?
 fi
-rm -rf -- "$1"
+rm -rf -- "$real"
 exit $status
 """
 
@@ -106,17 +115,24 @@ def inputs(folder):
     return folder.rstrip("/") + INPUTS
 
 
-def commands(launch, bundle, folder, extractor):
-    """The stage step: make ``DIR.in``, ``sbcast`` both files, extract."""
+def commands(launch, bundle, folder, extractor, token):
+    """The stage step: make ``DIR.in``, ``sbcast`` both files, extract.
+
+    *token* is the run's (:attr:`mpistage.cli.run.Plan.token`): what the
+    step makes carries it, and only that is removed.
+    """
+    from mpistage.cli.clean import MINE
+
     there = inputs(folder)
     cast = sbcast(launch)
     per_node = launch.per_node()
+    extract = EXTRACT.replace("{MINE}", MINE)
     return [
-        [*per_node, "/bin/sh", "-c", PREPARE, "mpistage-prepare", there],
+        [*per_node, "/bin/sh", "-c", PREPARE, "mpistage-prepare", there, token],
         [cast, "--force", extractor, f"{there}/{EXTRACTOR}"],
         [cast, "--force", bundle, f"{there}/{BUNDLE}"],
-        [*per_node, "/bin/sh", "-c", EXTRACT, "mpistage-extract", there, folder,
-         launch.python],
+        [*per_node, "/bin/sh", "-c", extract, "mpistage-extract", there, folder,
+         launch.python, token],
     ]  # fmt: skip
 
 

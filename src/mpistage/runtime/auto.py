@@ -94,6 +94,41 @@ def bundle_path(args, folder=None):
     return _os.path.join(cache_dir(folder), f"{stem}-{key(args)}{SUFFIX}")
 
 
+def open_cache(folder, create=False):
+    """Open the cache directory *folder* as a private place; return its descriptor.
+
+    Its bundles are code this user runs, so it follows the rule of a
+    staging root (:func:`mpistage.runtime.place.open_safe`): every
+    directory on the way, as given and as resolved, is root's or ours and
+    not writable by others unless sticky, a symlink on the way is ours or
+    root's; the cache itself is ours, not writable by others, and made
+    0700 (group and others lose any access). With *create*, missing
+    directories are made, 0700.
+    """
+    from mpistage.runtime.place import check_own, open_safe
+
+    try:
+        _real, fd = open_safe(folder, create=create)
+    except OSError as exc:
+        raise StageError(
+            f"cannot use the --auto cache {folder!r}: {exc.strerror}"
+        ) from None
+    except StageError as exc:
+        raise StageError(f"the --auto cache is not a private place: {exc}") from None
+    try:
+        st = _os.fstat(fd)
+        check_own(st, folder, True)
+    except StageError as exc:
+        _os.close(fd)
+        raise StageError(f"the --auto cache is not a private place: {exc}") from None
+    if st.st_mode & 0o077:
+        try:
+            _os.fchmod(fd, st.st_mode & 0o700)
+        except OSError:
+            pass  # A read-only cache: nobody can write it, which is what counts.
+    return fd
+
+
 def ensure_writable(path, why):
     """Create the cache directory of *path* if needed; refuse one we cannot write.
 
@@ -101,7 +136,7 @@ def ensure_writable(path, why):
     """
     folder = _os.path.dirname(path)
     try:
-        _os.makedirs(folder, mode=0o700, exist_ok=True)
+        _os.close(open_cache(folder, create=True))
     except OSError as exc:
         raise StageError(
             f"cannot create the --auto cache {folder!r}: {exc.strerror}; give "
@@ -114,25 +149,67 @@ def ensure_writable(path, why):
         )
 
 
+def open_cached(path):
+    """Open the cached bundle *path* if there is one; return its descriptor or None.
+
+    What is replayed must have been written by this user: the cache is a
+    private place (:func:`open_cache`), the bundle is opened there without
+    following a symlink, and must be a regular file of ours that others
+    cannot write.
+    """
+    import stat
+
+    folder, name = _os.path.split(path)
+    try:
+        cache = open_cache(folder)
+    except StageError:
+        if not _os.path.lexists(folder):
+            return None
+        raise
+    flags = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_NONBLOCK | _os.O_CLOEXEC
+    try:
+        fd = _os.open(name, flags, dir_fd=cache)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StageError(
+            f"cannot read the --auto bundle {path!r}: {exc.strerror}"
+        ) from None
+    finally:
+        _os.close(cache)
+    st = _os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != _os.getuid() or st.st_mode & 0o022:
+        _os.close(fd)
+        raise StageError(
+            f"the --auto bundle {path!r} is not a file of yours that only you "
+            "can write; remove it"
+        )
+    return fd
+
+
 def read_cached(path, check):
     """Rank 0: return (bytes, manifest, None) to replay, or a reason to record.
 
     A cache that holds a fresh bundle is only read, so it may be read-only
-    (a bundle learned once, then shared). One that must take a new bundle
-    is checked writable first, before the program runs.
+    (a bundle learned once, then kept). One that must take a new bundle
+    is checked writable first, before the program runs. Either must be a
+    private place of this user (:func:`open_cache`, :func:`open_cached`).
     """
     from mpistage.runtime.read import read_checked
 
     verdict = "no cached bundle"
-    if _os.path.exists(path):
+    fd = open_cached(path)
+    if fd is not None:
         try:
-            buf, manifest = read_checked(path)
+            buf, manifest = read_checked(path, fd=fd)
         except StageError as exc:
             verdict = str(exc)
         else:
             verdict = check(manifest)
             if not verdict:
                 return buf, manifest, None
+        finally:
+            _os.close(fd)
     ensure_writable(path, verdict)
     return None, None, f"recorded ({verdict})"
 

@@ -151,12 +151,23 @@ def remove_if_same(fd, name, ino):
 
 
 def remove_inputs(fd, name, remove_entry):
-    """Remove the Slurm stage step's inputs ``NAME.in``, if ours and a directory."""
+    """Remove the Slurm stage step's inputs ``NAME.in``, if a stage step made them.
+
+    That is a directory of ours, no symlink, with a stage marker of ours.
+    """
+    from mpistage.runtime.place import DIR_FLAGS, check_own
+    from mpistage.runtime.stager import read_marker
+
     try:
-        st = _os.stat(name + ".in", dir_fd=fd, follow_symlinks=False)
+        inputs_fd = _os.open(name + ".in", DIR_FLAGS, dir_fd=fd)
     except OSError:
         return
-    import stat
-
-    if stat.S_ISDIR(st.st_mode) and st.st_uid == _os.getuid():
+    try:
+        check_own(_os.fstat(inputs_fd), name + ".in", True)
+        marked = bool(read_marker(inputs_fd))
+    except Exception:
+        marked = False  # not ours, or changing under us
+    finally:
+        _os.close(inputs_fd)
+    if marked:
         remove_entry(fd, name + ".in")

@@ -90,6 +90,8 @@ class StagingDir:
         self.path, self.fd, self.parent_fd = path, fd, parent_fd
         self.name = _os.path.basename(path or "")
         self.holder, self.reused = holder, reused
+        self.made = False  # ``mpistage stage --to``: this process made the directory
+        self.marks = {}  # and the stage marker's fields of who made it
 
     def close(self):
         """Close the descriptors (the directory stays)."""
@@ -350,12 +352,21 @@ def write_fields(fd, name, fields, how):
 
 
 def read_fields(fd, name):
-    """Return the ``key=value`` lines of *name* below *fd* (``{}`` if none)."""
+    """Return the ``key=value`` lines of *name* below *fd* (``{}`` if none).
+
+    Only a regular file of this user counts: a record another user planted
+    (in a directory of ours that others could write) is none.
+    """
+    import stat
+
     try:
         got = _os.open(name, _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC, dir_fd=fd)
     except OSError:
         return {}
     try:
+        st = _os.fstat(got)
+        if st.st_uid != _os.getuid() or not stat.S_ISREG(st.st_mode):
+            return {}  # Not written by this user: it says nothing.
         text = _os.read(got, RECORD_SIZE).decode(errors="replace")
     finally:
         _os.close(got)
@@ -370,12 +381,19 @@ def target_dir(path):
         raise StageError(f"{path!r} is not a directory one can stage into")
     real_parent, parent_fd = open_safe(parent, create=True)
     try:
+        try:
+            _os.mkdir(name, 0o700, dir_fd=parent_fd)
+            made = True
+        except FileExistsError:
+            made = False  # Checked below; never removed as ours, only emptied.
         fd = own_dir(parent_fd, name, path, tighten=False)
         check_ancestor(_os.fstat(fd), path)
     except BaseException:
         _os.close(parent_fd)
         raise
-    return StagingDir(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+    found = StagingDir(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+    found.made = made
+    return found
 
 
 def job_tag():

@@ -35,8 +35,10 @@ def open_regular(path, what="bundle"):
     return fd
 
 
-def read_bundle(path):
-    """Return the whole bundle at *path* as a bytearray (rank 0 only)."""
+def read_bundle(path, fd=None):
+    """Return the whole bundle at *path* (or open as *fd*) as a bytearray (rank 0)."""
+    if fd is not None:
+        return read_all(fd, _os.fstat(fd).st_size, path)
     fd = open_regular(path)
     try:
         return read_all(fd, _os.fstat(fd).st_size, path)
@@ -64,11 +66,11 @@ def read_all(fd, size, path):
     return buf
 
 
-def read_checked(path, kind="packages"):
-    """Read the bundle at *path*; return (bytes, manifest) once all checks pass."""
+def read_checked(path, kind="packages", fd=None):
+    """Read the bundle *path* (or open as *fd*); return (bytes, manifest), checked."""
     from mpistage.runtime.bundlefile import manifest_of, python_mismatch
 
-    buf = read_bundle(path)
+    buf = read_bundle(path, fd)
     manifest = manifest_of(buf, path)
     check_kind(manifest, kind, path)
     if kind == "packages":

@@ -26,18 +26,20 @@ MARKER = ".mpistage-stage"
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
 UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
 USAGE = """\
-usage: mpistage stage BUNDLE --to DIR [--print-env]
+usage: mpistage stage BUNDLE --to DIR [--print-env] [--token TOKEN]
 
 Unpack an environment bundle (mpistage pack --env) into node-local DIR, once
 per node; run it under mpiexec, srun or flux run.
 
   --to DIR      node-local directory ({node} becomes the node index)
-  --print-env   print only the shell lines that put it to use, for eval"""
+  --print-env   print only the shell lines that put it to use, for eval
+  --token TOKEN the token of the `mpistage run` this stage step is part of:
+                a DIR this step makes is marked with it, for its clean step"""
 
 
 def parse(argv):
-    """Return (bundle, DIR, print_env) from *argv*."""
-    args, bundle, folder, print_env = list(argv), None, None, False
+    """Return (bundle, DIR, print_env, token) from *argv*."""
+    args, bundle, folder, print_env, token = list(argv), None, None, False, ""
     while args:
         arg = args.pop(0)
         opt, eq, value = arg.partition("=")
@@ -48,13 +50,15 @@ def parse(argv):
             folder = value if eq else (args.pop(0) if args else None)
         elif arg == "--print-env":
             print_env = True
+        elif opt == "--token":
+            token = value if eq else (args.pop(0) if args else "")
         elif arg.startswith("-") or bundle is not None:
             raise StageError(f"stage: unexpected argument {arg!r}\n{USAGE}")
         else:
             bundle = arg
     if not bundle or not folder:
         raise StageError(f"stage: give BUNDLE and --to DIR\n{USAGE}")
-    return bundle, folder, print_env
+    return bundle, folder, print_env, token
 
 
 def manifest_digest(buf):
@@ -75,10 +79,17 @@ def per_node(template):
 
 
 class TargetPlace(Place):
-    """The stager's place: ``DIR`` itself, empty or a stage of this bundle."""
+    """The stager's place: ``DIR`` itself, empty or a stage of this bundle.
 
-    def __init__(self, folder):
-        self.folder = folder
+    The stage marker says who made what (:func:`made_fields`): the *token*
+    of the ``mpistage run`` whose stage step this is, the real path of
+    ``DIR``, and whether the step made ``DIR`` itself or only filled an
+    existing one. A stage reused as it is keeps its maker's fields: the
+    clean step of a run removes only what that run made.
+    """
+
+    def __init__(self, folder, token=""):
+        self.folder, self.token = folder, token
 
     def make(self, buf, footprint):
         """Open ``DIR`` safely; mark it as being staged, or as reusable."""
@@ -89,15 +100,20 @@ class TargetPlace(Place):
         digest = manifest_digest(buf)
         marker = read_marker(root.fd)
         if marker.get("sha256") == digest and marker.get("state") == "complete":
+            root.marks = made_fields(marker)  # its maker's, not this run's
             if owner_changed(marker):  # this job's from now on, for the reaper
-                write_marker(root.fd, digest, "complete")
+                write_marker(root.fd, digest, "complete", root.marks)
             root.reused = True
             return root
-        if _os.listdir(root.fd) and not emptied_if_dead(root, marker):
-            root.close()
-            raise StageError(busy_message(self.folder, marker))
+        made = "dir" if root.made else "contents"
+        if _os.listdir(root.fd):
+            if not emptied_if_dead(root, marker):
+                root.close()
+                raise StageError(busy_message(self.folder, marker))
+            made = marker.get("made", "contents")  # the dead stage's maker's
+        root.marks = {"token": self.token, "path": root.path, "made": made}
         room(root.fd, self.folder, footprint)
-        write_marker(root.fd, digest, "incomplete")
+        write_marker(root.fd, digest, "incomplete", root.marks)
         return root
 
     def retry(self, root):
@@ -106,15 +122,24 @@ class TargetPlace(Place):
 
     def done(self, root, buf):
         """Mark the stage complete."""
-        write_marker(root.fd, manifest_digest(buf), "complete")
+        write_marker(root.fd, manifest_digest(buf), "complete", root.marks)
 
     def discard(self, root):
-        """Empty ``DIR`` after a failed stage; the directory itself stays."""
-        from mpistage.runtime.cleanup import empty
+        """Undo a failed stage: remove a ``DIR`` it made, else empty it."""
+        from mpistage.runtime.cleanup import empty, remove
 
-        if not root.reused:
+        if root.reused:
+            root.close()
+        elif root.made:
+            remove(root)
+        else:
             empty(root.fd)
-        root.close()
+            root.close()
+
+
+def made_fields(marker):
+    """The fields of a stage marker that say who made the stage, and what."""
+    return {k: marker[k] for k in ("token", "path", "made") if k in marker}
 
 
 def owner_changed(marker):
@@ -165,13 +190,16 @@ def read_marker(fd):
     return read_fields(fd, MARKER)
 
 
-def write_marker(fd, digest, state):
-    """Write the stage marker atomically (a new temporary file, then a rename)."""
+def write_marker(fd, digest, state, marks=None):
+    """Write the stage marker atomically (a new temporary file, then a rename).
+
+    *marks* are the maker's fields (:func:`made_fields`).
+    """
     from mpistage.runtime.envreap import owner_fields
     from mpistage.runtime.place import write_fields
 
     tmp = f"{MARKER}.{_os.getpid()}"
-    fields = {"sha256": digest, "state": state, **owner_fields()}
+    fields = {"sha256": digest, "state": state, **owner_fields(), **(marks or {})}
     write_fields(fd, tmp, fields, _os.O_CREAT | _os.O_EXCL)
     _os.rename(tmp, MARKER, src_dir_fd=fd, dst_dir_fd=fd)
 
@@ -211,7 +239,7 @@ def env_lines(folder, manifest):
     return [*lines, "export PYTHONNOUSERSITE=1", f"unset {' '.join(UNSET)}"]
 
 
-def stage_env(world, bundle, template):
+def stage_env(world, bundle, template, token=""):
     """Stage the environment *bundle* on every node; return (DIR, manifest, reused)."""
     from mpistage.runtime import stage
     from mpistage.runtime.collective import attempt
@@ -219,7 +247,7 @@ def stage_env(world, bundle, template):
 
     topo = attempt(world, discover, world)
     folder = node_dir(template, topo.index)
-    staged = stage.stage(topo, bundle, TargetPlace(folder), kind="env")
+    staged = stage.stage(topo, bundle, TargetPlace(folder, token), kind="env")
     reused = staged.root.reused if staged.root else None
     reused = world.gather(reused, root=0)
     if staged.root is not None:
@@ -227,7 +255,7 @@ def stage_env(world, bundle, template):
     return folder, staged.manifest, reused
 
 
-def stage_here(bundle, folder):
+def stage_here(bundle, folder, token=""):
     """Stage the environment in the local file *bundle* into *folder*, without MPI.
 
     One node alone: the Slurm stage step's extractor, after ``sbcast``
@@ -239,7 +267,7 @@ def stage_here(bundle, folder):
     from mpistage.runtime.read import read_checked
 
     buf, manifest = read_checked(bundle, "env")
-    place = TargetPlace(folder)
+    place = TargetPlace(folder, token)
     root = place.make(buf, Footprint(manifest))
     if root.reused:
         root.close()
@@ -255,10 +283,12 @@ def stage_here(bundle, folder):
 
 
 def main_here(argv):
-    """``python STAGE.pyz BUNDLE DIR``: :func:`stage_here`; return the exit status."""
+    """``python STAGE.pyz BUNDLE DIR [TOKEN]``: :func:`stage_here`; the exit status."""
     try:
-        bundle, folder = argv
-        stage_here(bundle, folder)
+        bundle, folder, *token = argv
+        if len(token) > 1:
+            raise ValueError(argv)
+        stage_here(bundle, folder, *token)
     except (StageError, ValueError) as exc:
         node = _os.environ.get("SLURMD_NODENAME") or _os.uname().nodename
         reason = exc if isinstance(exc, StageError) else f"give BUNDLE DIR, not {argv}"
@@ -287,8 +317,8 @@ def summary(bundle, template, reused, out=1, err=2):
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     try:
-        bundle, template, print_env = parse(argv)
-        folder, manifest, reused = stage_env(world, bundle, template)
+        bundle, template, print_env, token = parse(argv)
+        folder, manifest, reused = stage_env(world, bundle, template, token)
     except StageError as exc:
         if world.rank == 0:
             print(f"mpistage: error: {exc}", file=_sys.stderr, flush=True)

@@ -114,13 +114,19 @@ def open_cache(folder, create=False):
             f"cannot use the --auto cache {folder!r}: {exc.strerror}"
         ) from None
     except StageError as exc:
-        raise StageError(f"the --auto cache is not a private place: {exc}") from None
+        raise StageError(
+            f"the --auto cache is not a private place: {exc}; give --cache-dir DIR "
+            "(or MPISTAGE_CACHE_DIR) a directory of your own"
+        ) from None
     try:
         st = _os.fstat(fd)
         check_own(st, folder, True)
     except StageError as exc:
         _os.close(fd)
-        raise StageError(f"the --auto cache is not a private place: {exc}") from None
+        raise StageError(
+            f"the --auto cache is not a private place: {exc}; give --cache-dir DIR "
+            "(or MPISTAGE_CACHE_DIR) a directory of your own"
+        ) from None
     if st.st_mode & 0o077:
         try:
             _os.fchmod(fd, st.st_mode & 0o700)

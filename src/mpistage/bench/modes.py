@@ -19,6 +19,9 @@ and the workload are. Add a mode by writing a class and listing it in
   with an empty cache in every cell;
 - ``staged-env``: ``mpistage stage`` of the whole environment (one rank per
   node), then the run from node-local storage; both steps timed and counted;
+- ``env-launch``: ``mpistage-env`` in the one launch: per node, one rank
+  unpacks the bundle with the node's own Python, the others wait, then
+  every rank execs the staged ``python``;
 - ``local``: everything node-local, the no-cost limit;
 - ``plain-env``: a relocated environment run from the shared FS (packages
   layout, for comparison with its ``staged-env``).
@@ -326,6 +329,55 @@ class StagedEnv(Mode):
         _shutil.rmtree(self.local, ignore_errors=True)
 
 
+class EnvLaunch(StagedEnv):
+    """``mpiexec -n R mpistage-env BUNDLE -- python -c CODE``: one launch."""
+
+    name = "env-launch"
+
+    def prepare(self, testbed):
+        """Pack the environment; put ``mpistage-env`` beside ``mpistage`` (untimed)."""
+        super().prepare(testbed)
+        layout = testbed.layout
+        source = _os.path.join(_os.path.dirname(installed_script()), "mpistage-env")
+        target = _os.path.join(layout.venv, "bin", "mpistage-env")
+        if not _os.path.exists(target):
+            _shutil.copy(source, target)
+        self.script = layout.mounted(target)
+
+    def command(self, testbed, ranks, code):
+        """Every rank starts the shared ``mpistage-env``, a ``sh`` script."""
+        script = [self.script, self.bundle, "--", "python", "-c", code]
+        return [testbed.mpiexec, "-n", str(ranks), *script]
+
+    def env(self, testbed, nodes):
+        """The staging roots go to node-local storage; no ``PYTHONPATH``."""
+        env = Mode.env(self, testbed, nodes)
+        env.pop("PYTHONPATH", None)
+        env["MPISTAGE_STAGE_DIR"] = self.local
+        _os.makedirs(self.local, mode=0o700, exist_ok=True)
+        return env
+
+    def launch(self, testbed, ranks, nodes, code):
+        """One launch, counted and timed whole."""
+        start, stats, extra = Mode.launch(self, testbed, ranks, nodes, code)
+        return start, stats, {"stage_s": 0.0, **extra}
+
+    def after(self, testbed):
+        """Wait for the watchdogs, then remove what is left (nothing, normally)."""
+        for _ in range(50):
+            if not _os.path.isdir(self.local) or not _os.listdir(self.local):
+                break
+            _time.sleep(0.1)
+        _shutil.rmtree(self.local, ignore_errors=True)
+
+
+def installed_script():
+    """The ``mpistage`` command of this environment (``mpistage-env`` is beside it)."""
+    from mpistage.bench.layout import installed_command
+
+    return installed_command()
+
+
 class Local(StagedEnv):
     """Everything node-local (the environment staged untimed): the no-cost limit."""
 
@@ -423,6 +475,7 @@ MODES = {
             Live,
             AutoFirst,
             StagedEnv,
+            EnvLaunch,
             Local,
         )
     },

@@ -280,6 +280,7 @@ def patch_string(data, offset, mapping, own_dir):
 
 def write_env(output, roots, env, libs, missing):
     """Relocate what needs it and write the environment bundle."""
+    from mpistage.bundle.envboot import launch_field
     from mpistage.bundle.writer import write
 
     for root in roots.paths:
@@ -301,6 +302,7 @@ def write_env(output, roots, env, libs, missing):
             "libraries": sorted(libs),
             "missing": missing,
         },
+        "launch": launch_field(),  # mpistage-env's extraction code
     }
     return write(output, roots, fields)
 

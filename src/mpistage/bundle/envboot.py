@@ -1,0 +1,44 @@
+"""What ``pack --env`` puts in an environment bundle for ``mpistage-env``.
+
+``mpistage-env`` extracts a bundle on each node with the node's own
+Python, which must not read mpistage from the shared file system. So the
+bundle carries the code that unpacks it: the manifest's ``launch`` field
+holds the sources of the modules :mod:`mpistage.runtime.envlaunch` needs,
+as JSON ``{dotted name: [source, is a package]}``, compressed with zlib
+and in base64. The manifest's SHA-256 is in the bundle's header, so the
+code is checked before it runs (``bin/mpistage-env``'s boot code).
+"""
+
+import os as _os
+
+FORMAT = 1  # of the ``launch`` field
+
+
+def modules():
+    """The modules the node's extraction imports, as paths below the package."""
+    from mpistage.cli.slurmstage import MODULES
+
+    return (*MODULES, "runtime/envlaunch")
+
+
+def launch_field():
+    """Return the manifest's ``launch`` field: the extraction's own code."""
+    import base64
+    import json
+    import zlib
+
+    import mpistage
+
+    package = _os.path.dirname(_os.path.abspath(mpistage.__file__))
+    sources = {}
+    for name in modules():
+        with open(_os.path.join(package, f"{name}.py"), encoding="utf-8") as f:
+            sources[dotted(name)] = [f.read(), name.endswith("__init__")]
+    packed = zlib.compress(json.dumps(sources, sort_keys=True).encode(), 9)
+    return {"format": FORMAT, "modules": base64.b64encode(packed).decode("ascii")}
+
+
+def dotted(name):
+    """Return the module name of the package path *name* (``runtime/read``)."""
+    parts = ["mpistage", *name.split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

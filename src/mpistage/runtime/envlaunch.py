@@ -1,0 +1,147 @@
+"""The extraction of ``mpistage-env``: one process per node, the node's own Python.
+
+``mpistage-env BUNDLE -- COMMAND`` (``bin/mpistage-env``, a POSIX ``sh``
+script) starts in every rank. Per node, the rank whose ``mkdir`` of the
+claim ``DIR.in`` succeeds runs the node's own ``/usr/bin/python3`` (``-E -s
+-S``: no ``PYTHON*`` variables, no site directories) with the script's
+boot code, which reads the bundle once and takes this module, and the few
+it needs, from the bundle's manifest (``pack --env`` puts them there,
+:mod:`mpistage.bundle.envboot`): nothing of the shared environment is
+opened but the bundle. :func:`main` then checks the bundle and unpacks it
+into ``DIR`` as ``mpistage stage`` does (:class:`TargetPlace`: the same
+safe-directory rule, marker and crash-only reaping of dead stages beside
+it). The node's other ranks wait for the marker to say ``complete`` and
+never read the bundle.
+
+Outside a scheduler's job, the copy belongs to the launch on this node
+(the ranks' parent: ``hydra_pmi_proxy``, ``orted``, ``mpirun``): a watchdog,
+in a session of its own, removes ``DIR`` and its claim once that process
+has ended. In a job, the copy serves the job's later launches with the
+same bundle and goes when a launch on the node finds the job ended.
+"""
+
+import os as _os
+import sys as _sys
+
+from mpistage import StageError
+
+FAILED, LAUNCH, LIBRARIES = "failed", "launch", "libraries"  # files in DIR.in
+# Waits for the launch's process on this node, then removes the copy.
+WATCHDOG = (
+    'cd / && while kill -0 "$1" 2>/dev/null; do sleep 1; done; '
+    't="$2.removing-$$"; mv -- "$2" "$t" 2>/dev/null && rm -rf -- "$t"; '
+    'rm -rf -- "$3"'
+)
+
+
+def main(buf, argv):
+    """Unpack *buf*, the bundle read once; return the exit status (0 or 1).
+
+    *argv*: the bundle's path, ``DIR``, the claim ``DIR.in``, the node's
+    name for messages, and the launch's owner ``host:pid`` outside a job
+    (else empty).
+    """
+    bundle, folder, claim, node, owner = argv
+    try:
+        extract_here(buf, bundle, folder, claim, owner)
+    except (StageError, OSError, MemoryError) as exc:
+        from mpistage.runtime.collective import describe
+
+        return failed(claim, f"mpistage-env: error: on {node}: {describe(exc)}")
+    return 0
+
+
+def extract_here(buf, bundle, folder, claim, owner):
+    """Check the bundle in *buf* and unpack it into *folder*; guard it."""
+    from mpistage.runtime.extract import Footprint, extract
+    from mpistage.runtime.read import check_kind, verify
+    from mpistage.runtime.stager import TargetPlace
+
+    if owner:
+        _os.environ["MPISTAGE_RUN_OWNER"] = owner  # the stage marker's owner
+        watch(owner, folder, claim)
+    manifest = checked_manifest(buf, bundle, check_kind, verify)
+    place = TargetPlace(folder)
+    root = place.make(buf, Footprint(manifest))
+    if root.reused:
+        root.close()
+        return
+    try:
+        extract(root.fd, buf, manifest, bundle)
+        if manifest.get("env", {}).get("libraries"):
+            write_file(claim, LIBRARIES, "yes\n")
+        place.done(root, buf)
+    except BaseException:
+        mark_failed(root, buf)
+        raise
+    root.close()
+
+
+def checked_manifest(buf, bundle, check_kind, verify):
+    """Return the manifest of the environment bundle *buf*, once all checks pass."""
+    from mpistage.runtime.bundlefile import manifest_of
+
+    manifest = manifest_of(buf, bundle)
+    check_kind(manifest, "env", bundle)
+    verify(buf, manifest, bundle)
+    return manifest
+
+
+def mark_failed(root, buf):
+    """Empty a failed ``DIR`` and mark it, so that the reaper can judge it."""
+    from mpistage.runtime.cleanup import empty
+    from mpistage.runtime.stager import manifest_digest, write_marker
+
+    try:
+        empty(root.fd)
+        write_marker(root.fd, manifest_digest(buf), "failed")
+    except OSError:
+        pass  # What is left has no marker: `mpistage clean DIR` removes it.
+    root.close()
+
+
+def failed(claim, line):
+    """Say *line*, and leave it in the claim for the node's waiting ranks."""
+    print(line, file=_sys.stderr, flush=True)
+    try:
+        write_file(claim, FAILED, line + "\n")
+    except OSError:
+        pass  # The waiting ranks see the claimer gone, and say so.
+    return 1
+
+
+def write_file(claim, name, text):
+    """Write *text* to *name* in the claim directory, atomically, no symlink."""
+    from mpistage.runtime.place import DIR_FLAGS
+
+    fd = _os.open(claim, DIR_FLAGS)
+    try:
+        tmp = f"{name}.{_os.getpid()}"
+        flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
+        out = _os.open(tmp, flags | _os.O_CLOEXEC, 0o600, dir_fd=fd)
+        try:
+            _os.write(out, text.encode())
+        finally:
+            _os.close(out)
+        _os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    finally:
+        _os.close(fd)
+
+
+def watch(owner, folder, claim):
+    """Start the watchdog that removes the copy once the launch here ended.
+
+    In a session of its own, with none of the rank's descriptors: the
+    launcher waits for its output pipes, and PMI's, to close.
+    """
+    import subprocess
+
+    pid = owner.rpartition(":")[2]
+    subprocess.Popen(
+        ["/bin/sh", "-c", WATCHDOG, "mpistage-env-watchdog", pid, folder, claim],
+        env={"PATH": "/usr/bin:/bin"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )

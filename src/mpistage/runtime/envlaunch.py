@@ -60,6 +60,7 @@ def extract_here(buf, bundle, folder, claim, owner):
     if owner:
         _os.environ["MPISTAGE_RUN_OWNER"] = owner  # the stage marker's owner
         watch(owner, folder, claim)
+    mark_claim(claim, buf)
     manifest = checked_manifest(buf, bundle, check_kind, verify)
     place = TargetPlace(folder)
     root = place.make(buf, Footprint(manifest))
@@ -75,6 +76,18 @@ def extract_here(buf, bundle, folder, claim, owner):
         mark_failed(root, buf)
         raise
     root.close()
+
+
+def mark_claim(claim, buf):
+    """Give the claim an owner record: the next launch reaps it if we die."""
+    from mpistage.runtime.place import DIR_FLAGS
+    from mpistage.runtime.stager import manifest_digest, write_marker
+
+    fd = _os.open(claim, DIR_FLAGS)
+    try:
+        write_marker(fd, manifest_digest(buf), "claim")
+    finally:
+        _os.close(fd)
 
 
 def checked_manifest(buf, bundle, check_kind, verify):

@@ -125,7 +125,8 @@ def reap(fd, skip=(), kept_too=False, dry_run=False):
     from mpistage.runtime.cleanup import remove_entry
 
     found = []
-    for name in default_names(fd):
+    names = default_names(fd)
+    for name in names:
         if name in skip:
             continue
         ino = stale(fd, name, kept_too)
@@ -135,7 +136,27 @@ def reap(fd, skip=(), kept_too=False, dry_run=False):
         if not dry_run:
             remove_if_same(fd, name, ino)
             remove_inputs(fd, name, remove_entry)
+    for claim in orphan_claims(fd, names, skip):
+        ino = stale(fd, claim, kept_too)
+        if ino is not None:
+            found.append(claim)
+            if not dry_run:
+                remove_if_same(fd, claim, ino)
     return found
+
+
+def orphan_claims(fd, names, skip):
+    """The default-named ``NAME.in`` claims below *fd* with no ``NAME`` beside.
+
+    A launch killed before its copy existed leaves only its claim, whose
+    owner record says whose it was.
+    """
+    prefix = f"mpistage-env-{_os.getuid()}-"
+    return sorted(
+        entry for entry in _os.listdir(fd)
+        if entry.startswith(prefix) and entry.endswith(".in")
+        and entry[:-3] not in names and entry[:-3] not in skip
+    )  # fmt: skip
 
 
 def remove_if_same(fd, name, ino):

@@ -1,4 +1,7 @@
-"""The real-package tier: scipy, pandas, matplotlib, scikit-learn and h5py.
+"""The real-package tier: scipy, pandas, matplotlib, scikit-learn, h5py and jax.
+
+jax is the heavy stack: ``jaxlib``'s 350 MB of extensions and libraries,
+compiled with XLA at run time.
 
 Each package runs in every way mpistage offers, at 4 ranks on 2 emulated
 nodes, and each rank checks a real result (a linear solve, a groupby, a PNG
@@ -127,6 +130,19 @@ with h5py.File(path, "r") as f:
     return [int(f["g/y"][()].sum()), f["g"].attrs["who"]]
 """,
     ),
+    "jax": (
+        "jax",
+        """
+import jax, jax.numpy as jnp
+return float(jax.jit(lambda x: (x * x).sum())(jnp.arange(4.0)))
+""",
+        """
+import jax, jax.numpy as jnp
+grad = jax.grad(lambda x: (x ** 3).sum())
+rank = int(jnp.linalg.matrix_rank(jnp.eye(3)))
+return [float(v) for v in grad(jnp.arange(3.0))] + [rank]
+""",
+    ),
 }
 
 EXPECTED = {
@@ -135,11 +151,22 @@ EXPECTED = {
     "matplotlib": (["89504e47", True], [True, True]),
     "sklearn": ([3.0, 62.0], [0, 1]),
     "h5py": (45, [4950, "rank"]),
+    "jax": (14.0, [0.0, 3.0, 12.0, 3]),
 }
 
 NAMES = sorted(PACKAGES)
-PACK_NAMES = ["numpy", "scipy", "pandas", "matplotlib", "sklearn", "h5py"]
+PACK_NAMES = [
+    "numpy",
+    "scipy",
+    "pandas",
+    "matplotlib",
+    "sklearn",
+    "h5py",
+    "jax",
+    "jaxlib",
+]
 DISTRIBUTIONS = ("numpy", "scipy", "pandas", "matplotlib", "scikit-learn", "h5py")
+DISTRIBUTIONS += ("jax",)
 
 HEAD = """\
 import json, os, sys, traceback

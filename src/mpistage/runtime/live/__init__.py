@@ -287,7 +287,6 @@ class LiveSession:
             self.relay.close()
             if self.relay.reader is not None:
                 self.served = sorted(self.relay.reader.sent)
-                self.relay.reader.close()
         self.uninstall()
         for comm in self.comms:
             comm.Free()
@@ -300,6 +299,8 @@ class LiveSession:
         if self.mode != "live" or not self.closed or self.copy_root is None:
             return
         node = self.session.topology.node
+        if self.relay is not None and self.relay.reader is not None:
+            self.relay.reader.close()  # kept open for --auto's bundle until now
         barrier(node)
         self.remove()
         if not MPI.Is_finalized():

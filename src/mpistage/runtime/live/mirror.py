@@ -69,7 +69,7 @@ class CopyWriter:
 
         records = []
         for item in items:
-            if item[0] in ("f", "k"):  # a file for all nodes, or node 0's only
+            if item[0] == "f":
                 self.write_file(*item[1:])
             else:
                 records.append(marshal.dumps(item[1:]))

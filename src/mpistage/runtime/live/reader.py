@@ -19,9 +19,10 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
 - ``("f", path)``: one file: metadata, a resource, a source on demand.
 
 In an ``--auto`` learning run (*sources*), the source of a module whose
-bytecode is valid is read for the bundle, which is built from node 0's
-copy: it is kept there (an item of kind ``"k"``, not pushed to the other
-nodes), and goes to every node only if a rank asks for it.
+bytecode is valid is wanted for the bundle only: it is named, not read,
+while the program imports (its reads would sit on every rank's critical
+path), and the bundle's builder reads it at the end, relative to the
+reader's open directories; it goes to the nodes only if a rank asks for it.
 
 Everything is reached relative to directory descriptors opened once
 (``O_PATH`` where nothing is listed), so a file costs its own lookup and
@@ -47,7 +48,6 @@ import os as _os
 
 from mpistage.nodeelf import elf_dynamic, expand_origin
 
-KEEP = "k"  # an item written on the reader's node only (see Reader.source)
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
 PATH_FLAGS = _os.O_PATH | _os.O_DIRECTORY | _os.O_CLOEXEC
@@ -66,7 +66,7 @@ class Reader:
     def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
         self.unread = set()  # files sent as unreadable: the ranks read originals
-        self.kept = set()  # sources kept on the reader's node only (--auto)
+        self.kept = set()  # sources named for the bundle, not read (--auto)
         self.sources = sources
         self.stats, self.links = {}, set()  # kept when learning (sources)
         self.digests = {}  # listed directory: its entries' digest (learning)
@@ -120,9 +120,9 @@ class Reader:
             self.add_file(cached, got, out)
         if verdict != "valid":
             self.file(path, out)
-        elif self.sources:  # for the bundle only: node 0's copy holds it
+        elif self.sources:  # for the bundle only: read when it is built
             self.kept.add(path)
-            self.add_file(path, self.read(folder, name), out, kind=KEEP)
+            self.sent.add(path)
 
     def extension(self, path, out):
         """Add an extension, after the libraries it needs from ``$ORIGIN``."""
@@ -166,19 +166,19 @@ class Reader:
     # -- files and listings --------------------------------------------------
 
     def file(self, path, out):
-        """Add the file *path* (once; a source kept on node 0 goes to all now)."""
+        """Add the file *path* (once; a source named for the bundle is read now)."""
         if path not in self.sent or path in self.kept:
             self.kept.discard(path)
             folder, name = _os.path.split(path)
             self.add_file(path, self.read(folder, name), out)
 
-    def add_file(self, path, got, out, needs=(), kind="f"):
-        """Add a read file (or ``None``: unreadable) as an item of *kind*."""
+    def add_file(self, path, got, out, needs=()):
+        """Add a read file (or ``None``: unreadable) as an item."""
         self.sent.add(path)
         if not got:
             self.unread.add(path)
         data, mode, mtime = got if got else (None, 0, None)
-        out.append((kind, path, data, mode, mtime, needs))
+        out.append(("f", path, data, mode, mtime, needs))
 
     def listing(self, path, out, again=False):
         """Return the listing of *path*; add it as an item when (re)read.

@@ -316,12 +316,11 @@ class Relay:
 
     def push(self, items):
         """Reader: send new *items* down the tree and write them here."""
-        from mpistage.runtime.live.reader import KEEP
         from mpistage.runtime.live.request import dumps
 
         self.seq += 1
         if self.children:
-            blob = dumps((self.seq, [i for i in items if i[0] != KEEP]))
+            blob = dumps((self.seq, items))
             self.send_down(blob, PUSH)
             self.counts["bytes"] += len(blob) * len(self.children)
         self.writer.apply(items)

@@ -217,16 +217,9 @@ def original(path):
 
 def wait_seconds():
     """How long a follower waits (``MPISTAGE_BOOT_WAIT``, seconds)."""
-    value = _os.environ.get("MPISTAGE_BOOT_WAIT", "").strip()
-    if not value:
-        return WAIT
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise StageError(f"MPISTAGE_BOOT_WAIT={value!r} must be a number of seconds")
-    return seconds
+    from mpistage.runtime.place import seconds
+
+    return seconds("MPISTAGE_BOOT_WAIT", WAIT)
 
 
 # -- the meeting place ---------------------------------------------------------------

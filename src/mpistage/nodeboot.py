@@ -48,7 +48,6 @@ module runs before MPI in every rank, so it is read the cheap way
 """
 
 import os as _os
-import sys as _sys
 import time as _time
 
 from mpistage import StageError
@@ -58,6 +57,7 @@ from mpistage.nodeimport import (
     VERSION,
     Declined,
     bad_shape,
+    entry_modules,
     identity,
     instance,
     launch,
@@ -505,20 +505,3 @@ def serve(place, record):
     finally:
         server.remove()
     return MPI
-
-
-ENTRY_POINTS = {"mpi4py": ("mpi4py.run",), "mpi4py.run": ("mpi4py.run",)}
-
-
-def entry_modules(argv=None):
-    """Return the modules the runner's ``-m`` target imports before the program.
-
-    ``python -m mpi4py app.py`` and ``mpistage ... -m mpi4py app.py`` run
-    ``mpi4py.run``; the node boot brings it with mpi4py, so that it is
-    served from the node's copy, never looked for in the originals by
-    every rank once the bundle's finders are in place.
-    """
-    argv = _sys.argv if argv is None else argv
-    if "-m" not in argv[1:-1]:
-        return ()
-    return ENTRY_POINTS.get(argv[argv.index("-m", 1) + 1], ())

@@ -102,7 +102,7 @@ def import_entry():
     ``mpi4py.run`` first: imported here, it is left for the node with the
     rest, and every rank has it before the runner's finders take over.
     """
-    from mpistage.nodeboot import entry_modules
+    from mpistage.nodeimport import entry_modules
 
     for name in entry_modules():
         __import__(name)

@@ -411,3 +411,20 @@ def inside(rel):
     if not isinstance(rel, str) or not rel or rel.startswith("/"):
         return False
     return all(part not in ("", ".", "..") for part in rel.split("/"))
+
+
+ENTRY_POINTS = {"mpi4py": ("mpi4py.run",), "mpi4py.run": ("mpi4py.run",)}
+
+
+def entry_modules(argv=None):
+    """Return the modules the runner's ``-m`` target imports before the program.
+
+    ``python -m mpi4py app.py`` and ``mpistage ... -m mpi4py app.py`` run
+    ``mpi4py.run``; the node boot brings it with mpi4py, so that it is
+    served from the node's copy, never looked for in the originals by
+    every rank once the bundle's finders are in place.
+    """
+    argv = _sys.argv if argv is None else argv
+    if "-m" not in argv[1:-1]:
+        return ()
+    return ENTRY_POINTS.get(argv[argv.index("-m", 1) + 1], ())

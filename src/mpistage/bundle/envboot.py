@@ -16,9 +16,9 @@ FORMAT = 1  # of the ``launch`` field
 
 def modules():
     """The modules the node's extraction imports, as paths below the package."""
-    from mpistage.cli.slurmstage import MODULES
+    from mpistage.runtime.stager import NODE_MODULES
 
-    return (*MODULES, "runtime/envlaunch")
+    return (*NODE_MODULES, "runtime/envlaunch")
 
 
 def launch_field():

@@ -157,8 +157,8 @@ def clean_user_dir(candidate_fd, path, name, dry_run):
 def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
     from mpistage.runtime.cleanup import remove
+    from mpistage.runtime.envreap import read_marker
     from mpistage.runtime.place import target_dir
-    from mpistage.runtime.stager import read_marker
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):
         raise StageError(f"{folder!r} is not a directory")

@@ -32,12 +32,6 @@ NODE_PYTHON = "/usr/bin/python3"
 INPUTS = ".in"  # DIR.in: the node's copies of the bundle and the extractor
 BUNDLE, EXTRACTOR = "env.mpistage", "stage.pyz"
 TOO_OLD = 3  # the extractor's exit status on a Python older than 3.10
-MODULES = (
-    "__init__", "runtime/__init__", "runtime/bundlefile", "runtime/read",
-    "runtime/extract", "runtime/place", "runtime/roots", "runtime/stager",
-    "runtime/stage", "runtime/collective", "runtime/broadcast", "runtime/cleanup",
-    "runtime/envreap", "runtime/topology",
-)  # fmt: skip
 MAIN = f"""\
 import sys
 if sys.version_info < (3, 10):
@@ -141,10 +135,11 @@ def write_extractor(path):
     import zipfile
 
     import mpistage
+    from mpistage.runtime.stager import NODE_MODULES
 
     package = _os.path.dirname(_os.path.abspath(mpistage.__file__))
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("__main__.py", MAIN)
-        for name in MODULES:
+        for name in NODE_MODULES:
             archive.write(_os.path.join(package, f"{name}.py"), f"mpistage/{name}.py")
     return path

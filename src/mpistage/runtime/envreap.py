@@ -22,8 +22,16 @@ inputs), and a dead stage found at the very ``DIR`` being staged.
 
 import os as _os
 
+MARKER = ".mpistage-stage"  # a stage's marker and owner record
 FINAL = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
          "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT")  # fmt: skip
+
+
+def read_marker(fd):
+    """Return the stage marker of the directory open as *fd* (``{}`` if none)."""
+    from mpistage.runtime.place import read_fields
+
+    return read_fields(fd, MARKER)
 
 
 def owner_fields():
@@ -103,7 +111,6 @@ def default_names(fd):
 def stale(fd, name, kept_too=False):
     """Return the inode of the stage *name* below *fd* if it is dead, else ``None``."""
     from mpistage.runtime.place import DIR_FLAGS, check_own
-    from mpistage.runtime.stager import read_marker
 
     try:
         stage_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
@@ -177,7 +184,6 @@ def remove_inputs(fd, name, remove_entry):
     That is a directory of ours, no symlink, with a stage marker of ours.
     """
     from mpistage.runtime.place import DIR_FLAGS, check_own
-    from mpistage.runtime.stager import read_marker
 
     try:
         inputs_fd = _os.open(name + ".in", DIR_FLAGS, dir_fd=fd)

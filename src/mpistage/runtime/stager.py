@@ -20,9 +20,17 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.runtime.envreap import MARKER, read_marker
 from mpistage.runtime.stage import Place
 
-MARKER = ".mpistage-stage"
+# What a node-side extraction imports (the Slurm stage step's extractor,
+# mpistage-env's), as paths below the package: they travel with it.
+NODE_MODULES = (
+    "__init__", "runtime/__init__", "runtime/bundlefile", "runtime/read",
+    "runtime/extract", "runtime/place", "runtime/roots", "runtime/stager",
+    "runtime/stage", "runtime/collective", "runtime/broadcast", "runtime/cleanup",
+    "runtime/envreap", "runtime/topology",
+)  # fmt: skip
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
 UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
 USAGE = """\
@@ -181,13 +189,6 @@ def busy_message(folder, marker):
         f"{folder!r} is not empty and is not a stage of this bundle; choose an "
         "empty or new directory (`mpistage clean DIR` removes an earlier stage)"
     )
-
-
-def read_marker(fd):
-    """Return the stage marker of the directory open as *fd* (``{}`` if none)."""
-    from mpistage.runtime.place import read_fields
-
-    return read_fields(fd, MARKER)
 
 
 def write_marker(fd, digest, state, marks=None):

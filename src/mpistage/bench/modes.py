@@ -83,7 +83,8 @@ class Mode:
             ranks,
             cwd=testbed.job_dir,
         )
-        return start, testbed.fs.stats(), {"stage_s": self.stage_seconds(testbed)}
+        extra = {"stage_s": self.stage_seconds(testbed), "ended": _time.time()}
+        return start, testbed.fs.stats(), extra
 
     def stage_seconds(self, testbed):
         """Return the seconds this mode spent staging in the last cell."""

@@ -10,7 +10,11 @@ For every workload, rank count and mode (interleaved, repeated), it launches
 - ``start_s``: from launch until the slowest rank began the workload's code;
 - ``import_s``: the slowest rank's own import time;
 - ``stage_s``: the runner's read + validate + broadcast + stage + activate,
-  or the stage step's wall time;
+  or the stage step's wall time (``auto-first``: from all ranks imported
+  to the job's end, the bundle saved);
+- ``end_s``: from all ranks imported to the job's end (``mpiexec``
+  returned): the program's rest, reports, copies removed, MPI finalized;
+  ``total_s + end_s`` is the whole job;
 - shared-FS metadata operations (all but data reads): in total, of rank 0,
   the median and the largest of the other ranks, the largest of the ranks
   (other than 0) that imported mpi4py for their node (the node boot, from
@@ -53,6 +57,7 @@ COLUMNS = (
     "start_s",
     "import_s",
     "stage_s",
+    "end_s",
     "meta_ops",
     "ops_rank0",
     "ops_rank_median",
@@ -130,6 +135,7 @@ def measure(testbed, start, stats, extra, nodes):
         "start_s": max(ready for _, _, ready, _ in ranks) - start,
         "import_s": max(done - ready for _, _, ready, done in ranks),
         "stage_s": extra.get("stage_s", 0.0),
+        "end_s": extra.get("ended", result["t_all"]) - result["t_all"],
         "meta_ops": meta_ops(stats) + meta_ops(stage),
         "ops_rank0": ops[0],
         "ops_rank_median": _statistics.median(others),

@@ -189,7 +189,7 @@ def build(
     info = dict(extra or {}, granularity=granularity)
     fields = {"created_by": created_by, "packages": names, "recorded": info}
     fields["python"] = usages[0]["python"]
-    return write(output, selection, fields)
+    return write(output, selection, fields, durable=created_by != "auto")
 
 
 def keep_used_tests(selection, used, roots, written):

@@ -168,10 +168,13 @@ def walk(path, files):
 observer = None
 
 
-def write(output, selection, fields):
+def write(output, selection, fields, durable=True):
     """Write the bundle of *selection* to *output*; return its manifest.
 
     *fields* are more manifest fields (``created_by``, ``packages``, ...).
+    Unless *durable*, the file is not synced before its rename: an ``--auto``
+    bundle, checksummed and learned again when it cannot be read, does not
+    keep the job waiting for the disk.
     """
     import time
 
@@ -194,7 +197,7 @@ def write(output, selection, fields):
     owned = [set(r.pop("_owned")) for r in roots]
     records = list(selection.records())
     advance = observer(len(records)) if observer is not None else None
-    with Writer(output, files) as writer:
+    with Writer(output, files, durable) as writer:
         for index, path, member in records:
             rel = member.rel
             writer.add(index, rel, member.source, member.data, rel in owned[index])
@@ -341,8 +344,8 @@ def record_paths(record, files):
 class Writer:
     """Stream members to a temporary file; add the manifest and header last."""
 
-    def __init__(self, path, files=None):
-        self.path = _os.path.abspath(path)
+    def __init__(self, path, files=None, durable=True):
+        self.path, self.durable = _os.path.abspath(path), durable
         self.files = files if files is not None else Files()
         try:
             fd, self.tmp = make_temporary(_os.path.dirname(self.path))
@@ -411,7 +414,8 @@ class Writer:
         )
         self.file.write(header)
         self.file.flush()
-        _os.fsync(self.file.fileno())
+        if self.durable:
+            _os.fsync(self.file.fileno())
         self.file.close()
         _os.chmod(self.tmp, 0o644)
         _os.replace(self.tmp, self.path)

@@ -20,10 +20,9 @@ job. It answers *keys*, and returns the *items* to push to every node's copy
 
 In an ``--auto`` learning run (*sources*), the source of a module whose
 bytecode is valid is wanted for the bundle only: it is named, not read,
-when the module is asked for (its read would sit on every rank's critical
-path). The relay reads it into node 0's copy when it has nothing else to
-do (:meth:`Reader.read_kept`); the bundle's builder reads what is left at
-the end; it goes to the other nodes only if a rank asks for it.
+while the program imports (its reads would sit on every rank's critical
+path), and the bundle's builder reads it at the end, relative to the
+reader's open directories; it goes to the nodes only if a rank asks for it.
 
 Everything is reached relative to directory descriptors opened once
 (``O_PATH`` where nothing is listed), so a file costs its own lookup and
@@ -67,8 +66,7 @@ class Reader:
     def __init__(self, sources=False):
         self.listings, self.sent, self.fds = {}, set(), {}
         self.unread = set()  # files sent as unreadable: the ranks read originals
-        self.kept = set()  # sources for the bundle, not sent to the nodes (--auto)
-        self.unread_kept = []  # those of them not read yet
+        self.kept = set()  # sources named for the bundle, not read (--auto)
         self.sources = sources
         self.stats, self.links = {}, set()  # kept when learning (sources)
         self.digests = {}  # listed directory: its entries' digest (learning)
@@ -122,10 +120,9 @@ class Reader:
             self.add_file(cached, got, out)
         if verdict != "valid":
             self.file(path, out)
-        elif self.sources:  # for the bundle only: read when the reader is idle
+        elif self.sources:  # for the bundle only: read when it is built
             self.kept.add(path)
             self.sent.add(path)
-            self.unread_kept.append(path)
 
     def extension(self, path, out):
         """Add an extension, after the libraries it needs from ``$ORIGIN``."""
@@ -167,21 +164,6 @@ class Reader:
         return None
 
     # -- files and listings --------------------------------------------------
-
-    def read_kept(self):
-        """Read the next source kept for the bundle; return its item (or none).
-
-        The relay calls it when nothing else is to be done: the item goes
-        into the reader's node's copy only, where the bundle is built from.
-        """
-        while self.unread_kept:
-            path = self.unread_kept.pop()
-            if path in self.kept:
-                folder, name = _os.path.split(path)
-                got = self.read(folder, name)
-                data, mode, mtime = got if got else (None, 0, None)
-                return [("f", path, data, mode, mtime, ())]
-        return []
 
     def file(self, path, out):
         """Add the file *path* (once; a source named for the bundle is read now)."""

@@ -115,8 +115,6 @@ class Relay:
                 if self.step():
                     pause, quiet = POLL_MIN, time.monotonic()
                     continue
-                if self.read_ahead():
-                    continue
                 idle = time.monotonic() - quiet > IDLE_AFTER
                 self.bell.acquire(timeout=POLL_IDLE if idle else pause)
                 pause = min(pause * 2, POLL_MAX)
@@ -133,16 +131,6 @@ class Relay:
         if self.closing:
             busy = self.wind_down() or busy
         return busy
-
-    def read_ahead(self):
-        """Reader, when idle: read one source kept for the bundle into the copy."""
-        if self.reader is None or not self.reader.unread_kept or self.closing:
-            return False
-        with self.lock:
-            items = self.reader.read_kept()
-            if items:
-                self.writer.apply(items)
-        return bool(items)
 
     def ring(self):
         """Wake the thread now."""

@@ -430,6 +430,29 @@ def test_refuses_a_dir_without_room(env_bundle, full_fs):
     assert [p.name for p in full_fs.iterdir()] in ([], ["env"])
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_a_stage_ended_before_its_marker_leaves_no_directory(
+    env_bundle, tmp_path, monkeypatch, stop
+):
+    """SIGINT between making DIR and marking it: no clean step could remove it."""
+    from mpistage.runtime import stager
+    from mpistage.runtime.extract import Footprint
+
+    def interrupted(root):
+        raise stop("ended here")
+
+    monkeypatch.setattr(stager, "reap_beside", interrupted)
+    buf = env_bundle.read_bytes()
+    place = stager.TargetPlace(str(tmp_path / "stage"), "token")
+    with pytest.raises(stop):
+        place.make(buf, Footprint(read_manifest(env_bundle)))
+    assert not (tmp_path / "stage").exists()
+    (tmp_path / "kept").mkdir(mode=0o700)  # a DIR the user made stays
+    with pytest.raises(stop):
+        stager.TargetPlace(str(tmp_path / "kept")).make(buf, None)
+    assert (tmp_path / "kept").is_dir()
+
+
 def test_corrupt_bundle_leaves_no_partial_tree(env_bundle, tmp_path, discard):
     manifest = read_manifest(env_bundle)
     # The last file in the data: everything before it is written first.

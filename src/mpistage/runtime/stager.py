@@ -100,10 +100,25 @@ class TargetPlace(Place):
         self.folder, self.token = folder, token
 
     def make(self, buf, footprint):
-        """Open ``DIR`` safely; mark it as being staged, or as reusable."""
-        from mpistage.runtime.place import room, target_dir
+        """Open ``DIR`` safely; mark it as being staged, or as reusable.
+
+        A ``DIR`` this call made is removed again if it ends before the
+        marker is written (a refusal, SIGINT): no clean step could tell it
+        from a directory of someone else's.
+        """
+        from mpistage.runtime.place import target_dir
 
         root = target_dir(self.folder)
+        try:
+            return self.claim(root, buf, footprint)
+        except BaseException:  # A refusal, or a signal before the marker.
+            unmade(root)
+            raise
+
+    def claim(self, root, buf, footprint):
+        """Reuse ``DIR``'s stage of this bundle, or mark it as being staged."""
+        from mpistage.runtime.place import room
+
         reap_beside(root)
         digest = manifest_digest(buf)
         marker = read_marker(root.fd)
@@ -143,6 +158,17 @@ class TargetPlace(Place):
         else:
             empty(root.fd)
             root.close()
+
+
+def unmade(root):
+    """Remove ``DIR`` if this process made it and it is still empty; close it."""
+    if root.made and root.parent_fd is not None:
+        try:
+            _os.rmdir(root.name, dir_fd=root.parent_fd)
+        except OSError:
+            pass  # It holds something: the marker, or what another wrote.
+    if root.fd is not None:
+        root.close()
 
 
 def made_fields(marker):

@@ -361,10 +361,15 @@ def listed_entry(entry):
 
 
 def read_all(fd, size):
-    """Read *fd* to its end (*size* expected)."""
+    """Read the *size* bytes *fd* had at its ``fstat`` (fewer if it shrank since).
+
+    A read that asks past the size the client knows costs the shared
+    file system one more metadata operation (a ``getattr``), and reading
+    to the end would ask twice; a file is served as it was when stated.
+    """
     chunks, left = [], size
-    while True:
-        chunk = _os.read(fd, max(left, 1 << 16))
+    while left > 0:
+        chunk = _os.read(fd, left)
         if not chunk:
             break
         chunks.append(chunk)

@@ -298,16 +298,30 @@ def _read_at(fd, name):
 
     file = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
     try:
-        size, chunks = os.fstat(file).st_size, []
-        while size > 0:
-            chunk = os.read(file, size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(file, os.fstat(file).st_size)
     finally:
         os.close(file)
+
+
+def read_fd(fd, size):
+    """Read the *size* bytes the open file *fd* had at its ``fstat`` (fewer if
+    it shrank since).
+
+    Not Python's read to the end: asking past the size the client knows
+    costs a shared file system one more metadata operation (a ``getattr``),
+    and reading to the end asks twice. The one whole-file reader of the
+    node boot, the live reader and the runner.
+    """
+    import os
+
+    chunks = []
+    while size > 0:
+        chunk = os.read(fd, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
 
 
 class _Preloaded:

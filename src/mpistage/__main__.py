@@ -86,7 +86,7 @@ def boot():
     saved = _sys.path[:]
     _sys.path[:] = boot_path(saved)
     try:
-        load_local("mpistage", ("nodeboot", "nodeimport"))
+        load_local("mpistage", ("nodeboot", "nodeimport", "settings"))
         from mpistage.nodeboot import import_mpi
 
         MPI = import_mpi()

@@ -50,7 +50,7 @@ module runs before MPI in every rank, so it is read the cheap way
 import os as _os
 import time as _time
 
-from mpistage import StageError
+from mpistage import StageError, read_fd
 from mpistage.nodeimport import (
     FILES,
     RECORD,
@@ -62,10 +62,10 @@ from mpistage.nodeimport import (
     instance,
     launch,
     place_name,
-    read_fd,
 )
+from mpistage.settings import SETTINGS
 
-WAIT = 300.0  # seconds a follower waits for the first rank of its node
+WAIT = SETTINGS["MPISTAGE_BOOT_WAIT"].default  # seconds a follower waits
 POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
 CLAIM_TRIES, CLAIM_PAUSE = 200, 0.005  # looks at a place of the same name, pause
 FAILED = "failed"  # the first rank's reason, when it could not finish
@@ -217,9 +217,9 @@ def original(path):
 
 def wait_seconds():
     """How long a follower waits (``MPISTAGE_BOOT_WAIT``, seconds)."""
-    from mpistage.runtime.place import seconds
+    from mpistage.settings import get
 
-    return seconds("MPISTAGE_BOOT_WAIT", WAIT)
+    return get("MPISTAGE_BOOT_WAIT")
 
 
 # -- the meeting place ---------------------------------------------------------------
@@ -239,10 +239,10 @@ class Meeting:
     @classmethod
     def find(cls):
         """Return the meeting place of this rank, or raise :class:`Declined`."""
-        from mpistage.runtime.place import flag
+        from mpistage.settings import get
 
         try:
-            if not flag("MPISTAGE_BOOT", True):
+            if not get("MPISTAGE_BOOT"):
                 raise Declined("turned off (MPISTAGE_BOOT=no)")
             name = launch()
             if name is None:

@@ -31,6 +31,7 @@ import os as _os
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
+from mpistage import read_fd
 from mpistage.nodeelf import elf_dynamic, mapped_names, origin_dirs, shared_object
 from mpistage.nodeimport import (
     FILES,
@@ -40,7 +41,6 @@ from mpistage.nodeimport import (
     Hook,
     finder_name,
     identity,
-    read_fd,
     source_kind,
     via_path,
 )

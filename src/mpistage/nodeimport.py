@@ -233,18 +233,6 @@ def identity():
     return f"{fnv1a(chr(0).join(parts).encode()):016x}"
 
 
-def read_fd(fd, size):
-    """Return *size* bytes (or up to the end) of the open file *fd*."""
-    chunks = []
-    while size > 0:
-        chunk = _os.read(fd, size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
 # -- which launch, which node: the name of the meeting place ------------------
 
 

@@ -90,7 +90,9 @@ def clean(folder=None, dry_run=False):
         return clean_roots(dry_run)
     if not per_node(folder):
         return clean_stage(folder, dry_run)
-    count = int(_os.environ.get("MPISTAGE_EMULATE_NODES") or 1)
+    from mpistage.cli.launchers import emulated
+
+    count = emulated() or 1
     found = []
     for node in range(count):
         path = node_dir(folder, node)

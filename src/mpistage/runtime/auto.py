@@ -54,10 +54,11 @@ KEY_DIGITS = 24  # hex digits of a cache key: 96 bits, no two targets alike
 
 def cache_dir(option=None):
     """Return the cache directory: option, ``MPISTAGE_CACHE_DIR`` or XDG."""
+    from mpistage.settings import get
+
+    option = option or get("MPISTAGE_CACHE_DIR")
     if option:
         return _os.path.abspath(option)
-    if _os.environ.get("MPISTAGE_CACHE_DIR"):
-        return _os.path.abspath(_os.environ["MPISTAGE_CACHE_DIR"])
     base = _os.environ.get("XDG_CACHE_HOME") or _os.path.expanduser("~/.cache")
     return _os.path.join(base, "mpistage")
 

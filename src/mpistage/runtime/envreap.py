@@ -37,12 +37,13 @@ def read_marker(fd):
 def owner_fields():
     """The owner fields of a stage marker made by this process."""
     from mpistage.runtime.topology import job_id
+    from mpistage.settings import get
 
     return {
         "host": _os.uname().nodename,
         "job": job_id() or "",
-        "run": _os.environ.get("MPISTAGE_RUN_OWNER", ""),
-        "keep": _os.environ.get("MPISTAGE_RUN_KEEP", ""),
+        "run": get("MPISTAGE_RUN_OWNER"),
+        "keep": get("MPISTAGE_RUN_KEEP"),
     }
 
 

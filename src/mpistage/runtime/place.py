@@ -31,38 +31,14 @@ OWNER_FILE = ".mpistage-owner"
 RECORD_SIZE = 4096  # bytes of a key=value record read at most
 PRIVATE_TRIES = 16  # random names tried for a private directory
 DIR_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_CLOEXEC
-_TRUE = ("1", "yes", "on", "true")
-_FALSE = ("0", "no", "off", "false")
-
-
-def flag(name, default):
-    """Read a yes/no environment variable; reject anything else clearly."""
-    value = _os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in _TRUE or value in _FALSE:
-        return value in _TRUE
-    raise StageError(f"{name}={value!r} must be one of yes/no/on/off/1/0")
-
-
-def seconds(name, default):
-    """Read a number of seconds from the environment; reject anything else."""
-    value = _os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        found = float(value)
-    except ValueError:
-        found = -1.0
-    if not found >= 0:
-        raise StageError(f"{name}={value!r} must be a number of seconds")
-    return found
 
 
 def candidates():
     """Return the staging candidates in order of preference."""
-    found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)
-    if flag("MPISTAGE_STAGE_FALLBACK", True):
+    from mpistage.settings import get
+
+    found = list(get("MPISTAGE_STAGE_DIR"))
+    if get("MPISTAGE_STAGE_FALLBACK"):
         found += [expand(p) for p in DEFAULT_CANDIDATES]
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
 

@@ -290,9 +290,11 @@ def hint(ranks_that_missed, size):
 
 def emit(report, show):
     """Print the report if *show*; write JSON to ``MPISTAGE_REPORT`` if set."""
+    from mpistage.settings import get
+
     if show:
         print(render(report), file=_sys.stderr, flush=True)
-    path = _os.environ.get("MPISTAGE_REPORT")
+    path = get("MPISTAGE_REPORT")
     if path:
         try:
             write_json(path, report)

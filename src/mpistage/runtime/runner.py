@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import COMMANDS, StageError, preload
+from mpistage import COMMANDS, StageError, preload, read_fd, settings
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
@@ -37,15 +37,11 @@ options:
   --version       print the version and exit
   -h, --help      show this help and exit
 
-environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
-MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
-MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle),
-MPISTAGE_LIVE_WAIT (seconds a live request waits, default 5),
-MPISTAGE_BOOT=no, MPISTAGE_BOOT_WAIT (seconds, default 300).
+environment:
+%s
 
 tools: mpistage {%s} --help"""
 
-USAGE %= ",".join(COMMANDS)
 FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
@@ -65,7 +61,8 @@ class Options:
 def usage():
     """Return the usage, named as the user started the runner."""
     main = _sys.argv[0].endswith("__main__.py")
-    return USAGE.replace("PROG", "python -m mpistage" if main else "mpistage")
+    text = USAGE % ("\n".join(settings.help_lines()), ",".join(COMMANDS))
+    return text.replace("PROG", "python -m mpistage" if main else "mpistage")
 
 
 def usage_error(message):
@@ -91,7 +88,7 @@ def parse(argv):
     if options.auto and options.bundle:
         usage_error("--auto and --bundle exclude each other")
     if not options.auto:
-        options.bundle = options.bundle or _os.environ.get("MPISTAGE_BUNDLE") or None
+        options.bundle = options.bundle or settings.get("MPISTAGE_BUNDLE")
     return options, args
 
 
@@ -200,7 +197,7 @@ class Runner:
 
     def reporting(self):
         """Whether a report was asked for (``--report`` or ``MPISTAGE_REPORT``)."""
-        return bool(self.options.report or _os.environ.get("MPISTAGE_REPORT"))
+        return bool(self.options.report or settings.get("MPISTAGE_REPORT"))
 
     def check_target(self):
         """Rank 0: refuse a missing script or an unwritable report, before anything.
@@ -214,7 +211,7 @@ class Runner:
             raise StageError(f"can't open file {script!r}: no such file")
         from mpistage.runtime.report import check_writable
 
-        check_writable(_os.environ.get("MPISTAGE_REPORT"))
+        check_writable(settings.get("MPISTAGE_REPORT"))
 
     def auto_bundle(self):
         """Return the ``--auto`` cache's bundle path for this target (agreed)."""
@@ -414,17 +411,27 @@ def run_script(path):
     """
     from mpistage.runtime.finders import MAGIC_NUMBER
 
-    try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError:
-        source = None
+    source = read_script(path)
     if source is None or source[:4] == MAGIC_NUMBER or is_zip(source):
         import runpy
 
         runpy.run_path(path, run_name="__main__")
         return
     run_main(compile(source, path, "exec", dont_inherit=True), path)
+
+
+def read_script(path):
+    """The bytes of the file *path*, read for its size; ``None`` if not a file."""
+    try:
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return read_fd(fd, _os.fstat(fd).st_size)
+    except OSError:
+        return None  # A directory: ``runpy`` runs it as plain python does.
+    finally:
+        _os.close(fd)
 
 
 def run_main(code, path):
@@ -496,10 +503,9 @@ def live_wanted(world):
     """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
     from mpistage.runtime.broadcast import share
     from mpistage.runtime.collective import attempt
-    from mpistage.runtime.place import flag
 
     value = attempt(
-        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
+        world, lambda: settings.get("MPISTAGE_LIVE") if world.rank == 0 else None
     )
     return share(world, value)
 

@@ -59,18 +59,19 @@ class Topology:
 
 
 def emulated_nodes(size, value=None):
-    """Return N from ``MPISTAGE_EMULATE_NODES`` (``None`` when unset)."""
-    value = _os.environ.get("MPISTAGE_EMULATE_NODES", "") if value is None else value
-    if not value.strip():
-        return None
+    """Return N from ``MPISTAGE_EMULATE_NODES`` (``None`` when unset), 1 to *size*."""
+    from mpistage.settings import SETTINGS
+
+    setting = SETTINGS["MPISTAGE_EMULATE_NODES"]
+    environ = None if value is None else {setting.name: value}
     try:
-        count = int(value)
-    except ValueError:
+        count = setting.get(environ)
+    except StageError:
         count = 0
-    if not 1 <= count <= size:
+    if count is not None and not 1 <= count <= size:
         raise StageError(
-            f"MPISTAGE_EMULATE_NODES={value!r} must be a whole number from 1 to "
-            f"the number of ranks ({size})"
+            f"{setting.name}={setting.text(environ)!r} must be a whole number "
+            f"from 1 to the number of ranks ({size})"
         )
     return count
 

@@ -408,10 +408,9 @@ LATE_SHOWN = 5  # late keys a rank names in the report
 
 def wait_seconds():
     """How long a request waits for its answer (``MPISTAGE_LIVE_WAIT``)."""
-    from mpistage.runtime.live.request import WAIT
-    from mpistage.runtime.place import seconds
+    from mpistage.settings import get
 
-    return seconds("MPISTAGE_LIVE_WAIT", WAIT)
+    return get("MPISTAGE_LIVE_WAIT")
 
 
 def plain_path(path):

@@ -46,6 +46,7 @@ cannot be loaded from the copy without.
 
 import os as _os
 
+from mpistage import read_fd
 from mpistage.nodeelf import elf_dynamic, expand_origin
 
 MAX_OPEN = 256  # directory descriptors kept open
@@ -267,7 +268,7 @@ class Reader:
             st = _os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
                 return None
-            data = read_all(fd, st.st_size)
+            data = read_fd(fd, st.st_size)
         except OSError:
             return None
         finally:
@@ -358,23 +359,6 @@ def listed_entry(entry):
         return entry.name + OTHER
     except OSError:
         return entry.name + DANGLING
-
-
-def read_all(fd, size):
-    """Read the *size* bytes *fd* had at its ``fstat`` (fewer if it shrank since).
-
-    A read that asks past the size the client knows costs the shared
-    file system one more metadata operation (a ``getattr``), and reading
-    to the end would ask twice; a file is served as it was when stated.
-    """
-    chunks, left = [], size
-    while left > 0:
-        chunk = _os.read(fd, left)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def bytecode_verdict(data, st):

@@ -30,11 +30,13 @@ stalled reader costs a rank one wait, not one per import.
 
 import _thread
 
+from mpistage.settings import SETTINGS
+
 REQUEST, FORWARD, ACK, PUSH, BYE, END = range(1, 7)
 FIRST_REPLY = 16  # reply tags are FIRST_REPLY .. MPI_TAG_UB
 CLOSED = "closed"
 LATE = "late"
-WAIT = 5.0  # seconds a rank waits for an answer (MPISTAGE_LIVE_WAIT)
+WAIT = SETTINGS["MPISTAGE_LIVE_WAIT"].default  # seconds a rank waits for an answer
 POLL_MIN, POLL_MAX = 0.00002, 0.001  # seconds between polls for an answer
 
 

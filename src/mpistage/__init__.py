@@ -324,6 +324,35 @@ def read_fd(fd, size):
     return b"".join(chunks)
 
 
+class Backoff:
+    """The pauses of a wait that polls: from *first* seconds, doubling to *most*.
+
+    The one rule for every poll (a collective's request, a live request's
+    answer, the relay's loop, a follower's look at its node's place): a
+    fast answer loses little, a long wait takes no CPU. Each caller names
+    its two bounds.
+    """
+
+    def __init__(self, first, most):
+        self.first, self.most = first, most
+        self.pause = first
+
+    def next(self):
+        """Return the pause to take now; the one after is twice as long."""
+        pause, self.pause = self.pause, min(self.pause * 2, self.most)
+        return pause
+
+    def sleep(self):
+        """Sleep for :meth:`next`."""
+        import time
+
+        time.sleep(self.next())
+
+    def reset(self):
+        """Start again from *first* (something happened)."""
+        self.pause = self.first
+
+
 class _Preloaded:
     """A meta path finder serving the runtime package from broadcast code."""
 

@@ -50,7 +50,7 @@ module runs before MPI in every rank, so it is read the cheap way
 import os as _os
 import time as _time
 
-from mpistage import StageError, read_fd
+from mpistage import Backoff, StageError, read_fd
 from mpistage.nodeimport import (
     FILES,
     RECORD,
@@ -375,7 +375,7 @@ class Meeting:
 
     def wait(self, seconds):
         """Wait for the first rank's mark; return its record, or raise Declined."""
-        deadline, pause = _time.monotonic() + seconds, POLL_MIN
+        deadline, pauses = _time.monotonic() + seconds, Backoff(POLL_MIN, POLL_MAX)
         self.fd = self.open_place()
         while True:
             record = self.read_record()
@@ -387,8 +387,7 @@ class Meeting:
                     f"waited {seconds:g} s for the node's first rank "
                     "(MPISTAGE_BOOT_WAIT)"
                 )
-            _time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+            pauses.sleep()
 
     def open_place(self):
         """Open the place the first rank made; refuse one that is not ours alone."""

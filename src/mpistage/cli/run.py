@@ -420,12 +420,11 @@ def default_dir():
     (:func:`mpistage.runtime.place.private_dir`): another user cannot make
     it first and so stop the job.
     """
+    from mpistage.runtime.place import RAM_DISK
     from mpistage.runtime.topology import job_id
 
     job = f"{job_id()}.{_os.getpid()}" if job_id() else str(_os.getpid())
     job += "." + _os.urandom(6).hex()
-    base = (
-        "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
-    )
+    base = RAM_DISK if _os.path.isdir(RAM_DISK) else _os.environ.get("TMPDIR", "/tmp")
     folder = f"{base}/mpistage-env-{_os.getuid()}-{job}"
     return f"{folder}/n{NODE}" if emulated() else folder

@@ -26,7 +26,8 @@ import os as _os
 
 from mpistage import StageError
 
-DEFAULT_CANDIDATES = ("/dev/shm", "$TMPDIR", "/tmp")
+RAM_DISK = "/dev/shm"  # node-local memory: the first default candidate
+DEFAULT_CANDIDATES = (RAM_DISK, "$TMPDIR", "/tmp")
 OWNER_FILE = ".mpistage-owner"
 RECORD_SIZE = 4096  # bytes of a key=value record read at most
 PRIVATE_TRIES = 16  # random names tried for a private directory

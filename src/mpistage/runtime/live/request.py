@@ -30,6 +30,7 @@ stalled reader costs a rank one wait, not one per import.
 
 import _thread
 
+from mpistage import Backoff
 from mpistage.settings import SETTINGS
 
 REQUEST, FORWARD, ACK, PUSH, BYE, END = range(1, 7)
@@ -129,7 +130,7 @@ class RankClient:
             return LATE
         tag = self.next_tag()
         sent = self.serve.Isend([dumps((tag, key)), MPI.BYTE], self.leader, REQUEST)
-        status, pause = MPI.Status(), POLL_MIN
+        status, pauses = MPI.Status(), Backoff(POLL_MIN, POLL_MAX)
         deadline = time.monotonic() + self.wait
         while True:
             message = self.reply.Improbe(self.leader, tag, status)
@@ -143,8 +144,7 @@ class RankClient:
                 with self.lock:
                     self.overdue[tag] = sent
                 return LATE
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+            pauses.sleep()
 
     def caught_up(self):
         """Take the late answers that have come; whether none is missing now."""

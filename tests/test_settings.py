@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mpistage import StageError, settings
-from mpistage.runtime.topology import emulated_nodes
+from mpistage.node.launch import emulated_nodes
 from stagetools import clean_environ, mpirun, mpistage
 
 ROOT = Path(__file__).resolve().parent.parent

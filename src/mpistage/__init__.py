@@ -146,7 +146,7 @@ def load_local(package, stems):
     """Make the modules *stems* of mpistage's *package* importable, read here.
 
     The one-process form of :func:`preload`, for what runs before MPI (the
-    node boot, :mod:`mpistage.nodeboot`): each module is read relative to
+    node boot, :mod:`mpistage.node.boot`): each module is read relative to
     an open descriptor of its directory, about six metadata operations,
     instead of being looked for along ``sys.path``. Modules imported or
     loadable already are skipped; with none left, nothing is read.
@@ -165,6 +165,8 @@ def load_local(package, stems):
 
 
 _LOCAL = {}  # what load_local read, by module name
+# The modules of mpistage.node every rank reads before MPI (the node boot).
+NODE = ("__init__", "boot", "imports", "launch", "place", "cleanup")
 
 
 def own_module(name):

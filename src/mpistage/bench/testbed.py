@@ -10,7 +10,7 @@ benchmark (:class:`mpistage.bench.data.DataTestbed`) add what they mount.
 import os as _os
 import sys as _sys
 
-from mpistage.runtime.place import RAM_DISK
+from mpistage.node.place import RAM_DISK
 
 
 class Testbed:

@@ -6,7 +6,7 @@ root of this user, on this host, whose leader is gone or a zombie is stale.
 Environment stages under their default name (``mpistage-env-UID-...``)
 whose job ended are stale too (:mod:`mpistage.runtime.envreap`).
 Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
-complete or interrupted. Removal is :func:`mpistage.runtime.cleanup.remove`.
+complete or interrupted. Removal is :func:`mpistage.node.cleanup.remove`.
 
 :data:`REMOVE_STAGE` is the same removal for ``mpistage run``'s clean step,
 as a ``/bin/sh`` script: it runs on every node, where starting Python from
@@ -109,9 +109,9 @@ def clean(folder=None, dry_run=False):
 
 def clean_roots(dry_run=False):
     """Remove this user's stale staging roots on this host; return their paths."""
-    from mpistage.runtime.cleanup import user_dirs
+    from mpistage.node.cleanup import user_dirs
+    from mpistage.node.place import candidates, open_safe
     from mpistage.runtime.envreap import reap
-    from mpistage.runtime.place import candidates, open_safe
 
     found = []
     for candidate in candidates():
@@ -130,8 +130,8 @@ def clean_roots(dry_run=False):
 
 def clean_user_dir(candidate_fd, path, name, dry_run):
     """Remove the stale roots in one of this user's directories; return their paths."""
-    from mpistage.runtime.cleanup import remove_entry, stale_roots
-    from mpistage.runtime.place import DIR_FLAGS, check_own
+    from mpistage.node.cleanup import remove_entry, stale_roots
+    from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
         fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
@@ -158,9 +158,9 @@ def clean_user_dir(candidate_fd, path, name, dry_run):
 
 def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
-    from mpistage.runtime.cleanup import remove
+    from mpistage.node.cleanup import remove
+    from mpistage.node.place import target_dir
     from mpistage.runtime.envreap import read_marker
-    from mpistage.runtime.place import target_dir
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):
         raise StageError(f"{folder!r} is not a directory")

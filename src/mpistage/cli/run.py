@@ -211,7 +211,7 @@ def node_index(nodes):
     Emulated nodes are contiguous rank blocks, as in
     :mod:`mpistage.runtime.topology`.
     """
-    from mpistage.runtime.topology import RANK_VARS, SIZE_VARS
+    from mpistage.node.launch import RANK_VARS, SIZE_VARS
 
     rank, size = first_set(RANK_VARS, "0"), first_set(SIZE_VARS, "1")
     return f"$(({rank} * {nodes} / {size}))"
@@ -417,11 +417,11 @@ def default_dir():
     The pid of this ``mpistage run`` tells two runs of one job apart: each
     stages and removes its own copy, and neither waits for the other. The
     random part makes the name private, as a staging root's fallback is
-    (:func:`mpistage.runtime.place.private_dir`): another user cannot make
+    (:func:`mpistage.node.place.private_dir`): another user cannot make
     it first and so stop the job.
     """
-    from mpistage.runtime.place import RAM_DISK
-    from mpistage.runtime.topology import job_id
+    from mpistage.node.launch import job_id
+    from mpistage.node.place import RAM_DISK
 
     job = f"{job_id()}.{_os.getpid()}" if job_id() else str(_os.getpid())
     job += "." + _os.urandom(6).hex()

@@ -255,7 +255,7 @@ def node_room():
     MPICH backs shared windows with files in /dev/shm, a tmpfs that may be
     smaller than the memory; touching a page past its limit kills with SIGBUS.
     """
-    from mpistage.runtime.place import RAM_DISK
+    from mpistage.node.place import RAM_DISK
 
     rooms = []
     try:

@@ -112,7 +112,7 @@ def local_facts(session, seconds, watch=None):
 
 def start_facts():
     """Return how this rank imported mpi4py (the node boot), or None if it did not."""
-    boot = _sys.modules.get("mpistage.nodeboot")
+    boot = _sys.modules.get("mpistage.node.boot")
     return boot.facts() if boot is not None else None
 
 

@@ -67,7 +67,7 @@ def usage():
 
 def usage_error(message):
     """Print *message* and the usage once (first rank), exit 1 on all ranks."""
-    from mpistage.runtime.topology import launcher_rank
+    from mpistage.node.launch import launcher_rank
 
     if launcher_rank() == 0:
         print(f"mpistage: error: {message}\n{usage()}", file=_sys.stderr)
@@ -135,7 +135,7 @@ class Runner:
 
     def start(self):
         """Check the target, find the nodes, stage (or, with ``--auto``, record)."""
-        from mpistage.runtime.cleanup import at_finalize
+        from mpistage.node.cleanup import at_finalize
         from mpistage.runtime.collective import attempt
         from mpistage.runtime.topology import discover
 
@@ -257,7 +257,7 @@ class Runner:
         """
         if not live_wanted(self.world):
             return
-        preload(self.world, "mpistage", ("nodeelf",))  # the reader's ELF reader
+        preload(self.world, "mpistage.node", ("elf",))  # the reader's ELF reader
         preload(self.world, "mpistage.runtime.live")  # read only when used
         from mpistage.runtime.live import LiveSession
 

@@ -8,7 +8,7 @@ leader per node, and each leader extracts them into ``DIR`` (``{node}`` in
 ``DIR`` becomes the node's index, for emulated nodes on one machine). Then
 ``DIR/bin/python`` runs with everything node-local.
 
-``DIR`` follows the safe-directory rule of :mod:`mpistage.runtime.place`. A
+``DIR`` follows the safe-directory rule of :mod:`mpistage.node.place`. A
 non-empty ``DIR`` is refused unless it is a stage of the same bundle: a
 complete one is reused as it is, an interrupted one is refused with the
 hint to clean it (``mpistage clean DIR``). Like the runner, the stager runs
@@ -26,10 +26,11 @@ from mpistage.runtime.stage import Place
 # What a node-side extraction imports (the Slurm stage step's extractor,
 # mpistage-env's), as paths below the package: they travel with it.
 NODE_MODULES = (
-    "__init__", "runtime/__init__", "runtime/bundlefile", "runtime/read",
-    "runtime/extract", "runtime/place", "runtime/roots", "runtime/stager",
-    "runtime/stage", "runtime/collective", "runtime/broadcast", "runtime/cleanup",
-    "runtime/envreap", "runtime/topology",
+    "__init__", "settings", "node/__init__", "node/launch", "node/place",
+    "node/cleanup", "runtime/__init__", "runtime/bundlefile", "runtime/read",
+    "runtime/extract", "runtime/roots", "runtime/stager", "runtime/stage",
+    "runtime/collective", "runtime/broadcast", "runtime/envreap",
+    "runtime/topology",
 )  # fmt: skip
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
 UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
@@ -106,7 +107,7 @@ class TargetPlace(Place):
         marker is written (a refusal, SIGINT): no clean step could tell it
         from a directory of someone else's.
         """
-        from mpistage.runtime.place import target_dir
+        from mpistage.node.place import target_dir
 
         root = target_dir(self.folder)
         try:
@@ -117,7 +118,7 @@ class TargetPlace(Place):
 
     def claim(self, root, buf, footprint):
         """Reuse ``DIR``'s stage of this bundle, or mark it as being staged."""
-        from mpistage.runtime.place import room
+        from mpistage.node.place import room
 
         reap_beside(root)
         digest = manifest_digest(buf)
@@ -149,7 +150,7 @@ class TargetPlace(Place):
 
     def discard(self, root):
         """Undo a failed stage: remove a ``DIR`` it made, else empty it."""
-        from mpistage.runtime.cleanup import empty, remove
+        from mpistage.node.cleanup import empty, remove
 
         if root.reused:
             root.close()
@@ -195,7 +196,7 @@ def reap_beside(root):
 
 def emptied_if_dead(root, marker):
     """Empty ``DIR`` if it holds a stage of a job that ended here; whether it did."""
-    from mpistage.runtime.cleanup import empty
+    from mpistage.node.cleanup import empty
     from mpistage.runtime.envreap import dead
 
     if not marker or not dead(marker):
@@ -222,8 +223,8 @@ def write_marker(fd, digest, state, marks=None):
 
     *marks* are the maker's fields (:func:`made_fields`).
     """
+    from mpistage.node.place import write_fields
     from mpistage.runtime.envreap import owner_fields
-    from mpistage.runtime.place import write_fields
 
     tmp = f"{MARKER}.{_os.getpid()}"
     fields = {"sha256": digest, "state": state, **owner_fields(), **(marks or {})}

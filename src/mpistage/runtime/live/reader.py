@@ -47,7 +47,7 @@ cannot be loaded from the copy without.
 import os as _os
 
 from mpistage import read_fd
-from mpistage.nodeelf import elf_dynamic, expand_origin
+from mpistage.node.elf import elf_dynamic, expand_origin
 
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves

@@ -47,14 +47,14 @@ NEEDS = (  # imported before the thread starts (see above)
     "struct",
     "time",
     "mpistage.runtime.finders",
-    "mpistage.nodeelf",
+    "mpistage.node.elf",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
     "mpistage.runtime.live.finder",
     "mpistage.runtime.live.mirror",
     "mpistage.runtime.live.reader",
     "mpistage.runtime.live.request",
-    "mpistage.runtime.place",
+    "mpistage.node.place",
     "mpistage.runtime.roots",
 )
 

@@ -12,14 +12,14 @@ the parent's descriptor, never following a symlink, and every component
 must belong to root or to us and must not be writable by others unless it
 is sticky. Below it, everything is created relative to directory
 descriptors opened once: another user can neither swap a component nor
-redirect a file. Deleting is :mod:`~mpistage.runtime.cleanup`'s.
+redirect a file. Deleting is :mod:`~mpistage.node.cleanup`'s.
 
 Squatting never stops one user's jobs: when ``mpistage-<uid>`` in a shared
 candidate belongs to somebody else (or is unsafe), the job uses a private
 directory with a random name in the same candidate,
 ``mpistage-<uid>-<random>``, created 0700 and checked, and removed with the
 job's root. Roots are deleted, and roots of dead jobs reaped, by
-:mod:`~mpistage.runtime.cleanup`.
+:mod:`~mpistage.node.cleanup`.
 """
 
 import os as _os
@@ -218,7 +218,7 @@ def make_root(job, node, footprint, skip=(), reap=None):
 
     Candidates in *skip* (resolved paths) are passed over; *reap*, if given,
     is first called with each candidate's descriptor (to remove this user's
-    roots of dead jobs there, :func:`mpistage.runtime.cleanup.reap_dead_roots`).
+    roots of dead jobs there, :func:`mpistage.node.cleanup.reap_dead_roots`).
     Returns a
     :class:`StagingDir`, without its owner record (:func:`write_owner`). Raises
     :class:`StageError` naming every candidate and why it was refused when
@@ -377,7 +377,7 @@ def job_tag():
     """Return a name for this job, unique on the node: scheduler id, pid, time."""
     import time
 
-    from mpistage.runtime.topology import job_id
+    from mpistage.node.launch import job_id
 
     prefix = job_id() or _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"

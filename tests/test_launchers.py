@@ -592,7 +592,9 @@ def test_signal_during_the_stage_step_cleans_emulated_nodes(
     assert not folder.exists(), list(folder.rglob("*"))[:5]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name
+)
 def test_signal_during_the_run_step_is_one_line(
     env_bundle, shared, app, out, tmp_path, signum
 ):

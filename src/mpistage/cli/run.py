@@ -43,9 +43,9 @@ from mpistage.runtime.stager import NODE, node_dir, per_node
 
 def parser():
     """Return the argument parser of ``mpistage run``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage run",
         usage="mpistage run --env BUNDLE [--to DIR] [--keep] "
         "-- LAUNCHER [ARG ...] python [APP ARG ...]",

@@ -68,13 +68,16 @@ def usage():
     return USAGE.replace("PROG", "python -m mpistage" if main else "mpistage")
 
 
-def usage_error(message):
-    """Print *message* and the usage once (first rank), exit 1 on all ranks."""
+def usage_error(message, text=None):
+    """Print *message* and the usage once (first rank), exit 2 on all ranks.
+
+    Status 2 is every mpistage command's for a usage error (docs/api.md).
+    """
     from mpistage.runtime.topology import launcher_rank
 
     if launcher_rank() == 0:
-        print(f"mpistage: error: {message}\n{usage()}", file=_sys.stderr)
-    _sys.exit(1)
+        print(f"mpistage: error: {message}\n{text or usage()}", file=_sys.stderr)
+    _sys.exit(2)
 
 
 def parse(argv):

@@ -61,11 +61,11 @@ def parse(argv):
         elif opt == "--token":
             token = value if eq else (args.pop(0) if args else "")
         elif arg.startswith("-") or bundle is not None:
-            raise StageError(f"stage: unexpected argument {arg!r}\n{USAGE}")
+            usage_error(f"stage: unexpected argument {arg!r}")
         else:
             bundle = arg
     if not bundle or not folder:
-        raise StageError(f"stage: give BUNDLE and --to DIR\n{USAGE}")
+        usage_error("stage: give BUNDLE and --to DIR")
     return bundle, folder, print_env, token
 
 
@@ -339,6 +339,13 @@ def summary(bundle, template, reused, out=1, err=2):
     except OSError:
         same = False
     return line + ("; to use it:" if same else "")
+
+
+def usage_error(message):
+    """A usage error: one line and the usage, exit status 2 (as every command)."""
+    from mpistage.runtime.runner import usage_error
+
+    usage_error(message, USAGE)
 
 
 def main(world, argv):

@@ -75,6 +75,7 @@ def test_first_run_records_then_replays(tmp_path, stage_env, stage_dir, app):
     assert facts["modules"]["served"] > 0, facts
     assert facts["modules"]["missed"] == 0, facts
     assert facts["bundle_bytes"] == cached.stat().st_size
+    assert facts["seconds"]["read"] > 0, facts  # the cached bundle was read
     assert result.stdout == ["tiny data\n"] * 4, result
     for res in results(stage_env, 4):
         assert below(res["file"], stage_dir), res

@@ -239,7 +239,9 @@ class Runner:
         from mpistage.runtime.collective import attempt
 
         session, rank0 = self.session, self.world.rank == 0
-        buf, manifest, verdict = attempt(
+        buf, manifest, verdict = session.timed(  # the report's read step
+            "read",
+            attempt,
             self.world,
             lambda: (
                 auto.read_cached(session.bundle, session.staleness)

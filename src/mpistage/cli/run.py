@@ -47,7 +47,7 @@ def parser():
 
     p = argument_parser(
         prog="mpistage run",
-        usage="mpistage run --env BUNDLE [--to DIR] [--keep] "
+        usage="mpistage run --env BUNDLE [--to DIR] [--keep] [--trust] "
         "-- LAUNCHER [ARG ...] python [APP ARG ...]",
         description="Stage an environment bundle once per node, run the "
         "command from it, and clean up: the launches as one command.",
@@ -60,6 +60,12 @@ def parser():
         "{node} becomes the node index)",
     )
     p.add_argument("--keep", action="store_true", help="keep DIR after the run")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="run the bundle even if its environment changed since pack --env "
+        "(refused by default: the bundle is a snapshot)",
+    )
     p.add_argument(
         "--stage-launcher",
         metavar="CMD",
@@ -75,10 +81,27 @@ def main(argv):
     args = parser().parse_args(argv)
     plan = Plan(args)
     outer = plan.launch.allocation()
+    if outer is None and not args.trust:
+        check_fresh(plan.bundle, args.env)  # else the run inside salloc checks
     with Signals() as signals:
         if outer is not None:
             return in_allocation(outer, argv, signals, plan.launch.step_environ())
         return Steps(plan, signals).run()
+
+
+def check_fresh(bundle, name):
+    """Refuse an environment bundle whose environment changed since it was packed.
+
+    Here, once, in the process that launches the job: the manifest, a stat
+    per watched directory (:mod:`mpistage.runtime.envfresh`). The stage
+    step then skips the check (``--trust``).
+    """
+    from mpistage.runtime.envfresh import verdict
+    from mpistage.runtime.read import read_manifest
+
+    found = verdict(name, read_manifest(bundle))
+    if found:
+        raise StageError(found)
 
 
 class Plan:
@@ -105,6 +128,7 @@ class Plan:
     def stage_command(self):
         """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
         stage = ["stage", self.bundle, "--to", self.folder, "--token", self.token]
+        stage.append("--trust")  # checked once, by mpistage run (check_fresh)
         entry = command_beside(self.launch.python)
         return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 

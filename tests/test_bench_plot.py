@@ -71,7 +71,8 @@ def test_the_right_panel_draws_the_whole_jobs_operations(figure):
     assert list(lines["staged-env"].get_ydata()) == [40, 160, 160]
     assert list(lines["local"].get_ydata()) == [1, 1, 1]  # 0 drawn at 1
     # Equal values stay visible: each mode's points sit a little apart.
-    assert lines["local"].get_xdata().tolist() != lines["staged-env"].get_xdata().tolist()
+    local, staged = lines["local"], lines["staged-env"]
+    assert local.get_xdata().tolist() != staged.get_xdata().tolist()
 
 
 def test_ticks_only_where_there_is_data(figure):

@@ -4,7 +4,7 @@
 
     from mpistage import data
     with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
-        digest = hashlib.sha256(buf.view).hexdigest()
+        digest = hashlib.sha256(buf).hexdigest()  # bytes-like, read-only
     weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
 
 Both calls are collective over *comm* and run the same steps on every rank

@@ -188,7 +188,7 @@ def test_auto_and_bundle_exclude_each_other(tmp_path, stage_env):
         ["--bundle=" + str(tmp_path / "x.mpistage"), "--auto", script],
     ):
         result = mpistage(args, env=stage_env, cwd=tmp_path)
-        assert result.returncode == 1, result
+        assert result.returncode == 2, result  # a usage error (docs/api.md)
         errors = result.errors()
         assert len(errors) == 1 and "--auto and --bundle" in errors[0], result
         assert "ran" not in result.stdout

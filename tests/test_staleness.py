@@ -226,7 +226,7 @@ def test_auto_rebuilds_a_stale_cached_bundle(tmp_path, stage_env):
 def test_bad_validate_mode(tmp_path, stage_env, option):
     script = write_target(tmp_path / "app.py", "print('ran')\n")
     result = mpistage([option, script], env=stage_env, cwd=tmp_path)
-    assert result.returncode == 1, result
+    assert result.returncode == 2, result  # a usage error (docs/api.md)
     assert result.stderr.startswith("mpistage: error: --validate"), result
     assert len(result.errors()) == 1
     assert "ran" not in result.stdout

@@ -177,9 +177,9 @@ def clean_stage(folder, dry_run=False):
 
 def parser():
     """Return the argument parser of ``mpistage clean``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage clean",
         description="Remove this user's staging roots of jobs that have ended, "
         "or, given DIR, an environment staged there (run it once per node).",

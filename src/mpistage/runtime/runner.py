@@ -65,13 +65,16 @@ def usage():
     return text.replace("PROG", "python -m mpistage" if main else "mpistage")
 
 
-def usage_error(message):
-    """Print *message* and the usage once (first rank), exit 1 on all ranks."""
+def usage_error(message, text=None):
+    """Print *message* and the usage once (first rank), exit 2 on all ranks.
+
+    Status 2 is every mpistage command's for a usage error (docs/api.md).
+    """
     from mpistage.node.launch import launcher_rank
 
     if launcher_rank() == 0:
-        print(f"mpistage: error: {message}\n{usage()}", file=_sys.stderr)
-    _sys.exit(1)
+        print(f"mpistage: error: {message}\n{text or usage()}", file=_sys.stderr)
+    _sys.exit(2)
 
 
 def parse(argv):
@@ -233,7 +236,9 @@ class Runner:
         from mpistage.runtime.collective import attempt
 
         session, rank0 = self.session, self.world.rank == 0
-        buf, manifest, verdict = attempt(
+        buf, manifest, verdict = session.timed(  # the report's read step
+            "read",
+            attempt,
             self.world,
             lambda: (
                 auto.read_cached(session.bundle, session.staleness)

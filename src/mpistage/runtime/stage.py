@@ -173,7 +173,12 @@ def leader_extract(topo, buf, manifest, place, name, holder):
         return
 
 
-def stage(topo, path, place, kind="packages"):
-    """Read, check, broadcast and extract the bundle at *path*; return Staged."""
-    buf, manifest, _ = read(topo.world, path, kind)
+def stage(topo, path, place, kind="packages", check=None):
+    """Read, check, broadcast and extract the bundle at *path*; return Staged.
+
+    *check*, as for :func:`read`: a verdict it returns is raised on every rank.
+    """
+    buf, manifest, verdict = read(topo.world, path, kind, check)
+    if verdict:
+        raise StageError(verdict)
     return distribute(topo, buf, manifest, place, path)

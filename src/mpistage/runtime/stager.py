@@ -35,7 +35,7 @@ NODE_MODULES = (
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
 UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
 USAGE = """\
-usage: mpistage stage BUNDLE --to DIR [--print-env] [--token TOKEN]
+usage: mpistage stage BUNDLE --to DIR [--print-env] [--token TOKEN] [--trust]
 
 Unpack an environment bundle (mpistage pack --env) into node-local DIR, once
 per node; run it under mpiexec, srun or flux run.
@@ -43,12 +43,15 @@ per node; run it under mpiexec, srun or flux run.
   --to DIR      node-local directory ({node} becomes the node index)
   --print-env   print only the shell lines that put it to use, for eval
   --token TOKEN the token of the `mpistage run` this stage step is part of:
-                a DIR this step makes is marked with it, for its clean step"""
+                a DIR this step makes is marked with it, for its clean step
+  --trust       stage the bundle even if the environment it was packed from
+                changed since (it is a snapshot; by default that is refused)"""
 
 
 def parse(argv):
-    """Return (bundle, DIR, print_env, token) from *argv*."""
+    """Return (bundle, DIR, print_env, token, trust) from *argv*."""
     args, bundle, folder, print_env, token = list(argv), None, None, False, ""
+    trust = False
     while args:
         arg = args.pop(0)
         opt, eq, value = arg.partition("=")
@@ -59,15 +62,17 @@ def parse(argv):
             folder = value if eq else (args.pop(0) if args else None)
         elif arg == "--print-env":
             print_env = True
+        elif arg == "--trust":
+            trust = True
         elif opt == "--token":
             token = value if eq else (args.pop(0) if args else "")
         elif arg.startswith("-") or bundle is not None:
-            raise StageError(f"stage: unexpected argument {arg!r}\n{USAGE}")
+            usage_error(f"stage: unexpected argument {arg!r}")
         else:
             bundle = arg
     if not bundle or not folder:
-        raise StageError(f"stage: give BUNDLE and --to DIR\n{USAGE}")
-    return bundle, folder, print_env, token
+        usage_error("stage: give BUNDLE and --to DIR")
+    return bundle, folder, print_env, token, trust
 
 
 def manifest_digest(buf):
@@ -267,20 +272,33 @@ def env_lines(folder, manifest):
     return [*lines, "export PYTHONNOUSERSITE=1", f"unset {' '.join(UNSET)}"]
 
 
-def stage_env(world, bundle, template, token=""):
-    """Stage the environment *bundle* on every node; return (DIR, manifest, reused)."""
+def stage_env(world, bundle, template, token="", trust=False):
+    """Stage the environment *bundle* on every node; return (DIR, manifest, reused).
+
+    Unless *trust*, rank 0 first checks that the environment the bundle was
+    packed from has not changed since (:mod:`mpistage.runtime.envfresh`).
+    """
     from mpistage.runtime import stage
     from mpistage.runtime.collective import attempt
     from mpistage.runtime.topology import discover
 
     topo = attempt(world, discover, world)
     folder = node_dir(template, topo.index)
-    staged = stage.stage(topo, bundle, TargetPlace(folder, token), kind="env")
+    check = None if trust else lambda manifest: fresh_verdict(bundle, manifest)
+    place = TargetPlace(folder, token)
+    staged = stage.stage(topo, bundle, place, kind="env", check=check)
     reused = staged.root.reused if staged.root else None
     reused = world.gather(reused, root=0)
     if staged.root is not None:
         staged.root.close()
     return folder, staged.manifest, reused
+
+
+def fresh_verdict(bundle, manifest):
+    """Rank 0: the refusal of a stale environment bundle, or ``None``."""
+    from mpistage.runtime.envfresh import verdict
+
+    return verdict(bundle, manifest)
 
 
 def stage_here(bundle, folder, token=""):
@@ -342,11 +360,18 @@ def summary(bundle, template, reused, out=1, err=2):
     return line + ("; to use it:" if same else "")
 
 
+def usage_error(message):
+    """A usage error: one line and the usage, exit status 2 (as every command)."""
+    from mpistage.runtime.runner import usage_error
+
+    usage_error(message, USAGE)
+
+
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     try:
-        bundle, template, print_env, token = parse(argv)
-        folder, manifest, reused = stage_env(world, bundle, template, token)
+        bundle, template, print_env, token, trust = parse(argv)
+        folder, manifest, reused = stage_env(world, bundle, template, token, trust)
     except StageError as exc:
         if world.rank == 0:
             print(f"mpistage: error: {exc}", file=_sys.stderr, flush=True)

@@ -245,10 +245,9 @@ def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, 
     shared.chmod(0o1777)
     env = environ(place, FLUX_JOB_ID="f42")
     env["MPISTAGE_STAGE_DIR"] = f"{shared}:{spare}"
-    stat = os.stat(env_bundle)
     key = subprocess.run(
         ["cksum"],
-        input=f"{env_bundle} {stat.st_size}.{int(stat.st_mtime)}\n",
+        input=f"{env_bundle}\n",
         capture_output=True,
         text=True,
     ).stdout.split()[0]
@@ -309,3 +308,27 @@ def test_boot_reads_the_header_as_the_format_says():
     text = SCRIPT.read_text()
     assert f'struct.unpack_from("{HEADER.format}", buf)' in text
     assert f'magic != b"{MAGIC.decode()}"' in text
+
+
+def test_a_bundle_replaced_within_the_job_gets_its_own_copy(
+    env_bundle, tmp_path, place
+):
+    """The job's second launch finds the path's copy, but the bundle was packed
+    again in between: it runs the new bundle from a copy of its own."""
+    bundle = tmp_path / "env.mpistage"
+    bundle.write_bytes(env_bundle.read_bytes())
+    env = environ(place, FLUX_JOB_ID="f44")
+    first = launch(bundle, tmp_path, env)
+    assert first.returncode == 0, first
+    before = {Path(r["exe"]).parent.parent for r in results(first).values()}
+    replaced = tmp_path / "env.mpistage.new"
+    replaced.write_bytes(env_bundle.read_bytes())
+    replaced.rename(bundle)  # as pack writes it: a new file in its place
+    second = launch(bundle, tmp_path, env)
+    assert second.returncode == 0, second
+    after = {Path(r["exe"]).parent.parent for r in results(second).values()}
+    assert len(after) == 2 and not after & before, (before, after)
+    again = launch(bundle, tmp_path, env)  # the new copy serves the next launch
+    assert {Path(r["exe"]).parent.parent for r in results(again).values()} == after
+    for path in place.iterdir():
+        subprocess.run(["rm", "-rf", str(path)], check=True)

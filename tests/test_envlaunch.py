@@ -10,6 +10,7 @@ naming the node and never a hang, and nothing is left behind.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from envtools import small_venv
+from envtools import QUOTED, open_counts, small_venv, trace_paths, under
 from stagetools import MPIEXEC, clean_environ, mpistage, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
@@ -332,3 +333,52 @@ def test_a_bundle_replaced_within_the_job_gets_its_own_copy(
     assert {Path(r["exe"]).parent.parent for r in results(again).values()} == after
     for path in place.iterdir():
         subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_strace_the_shared_files_are_the_script_and_the_bundle_once_per_node(
+    env_bundle, tmp_path, place, tmp_path_factory
+):
+    """Under ``strace -f``, the whole launch (launcher, every rank, each
+    node's extraction, the staged interpreters) opens nothing of the shared
+    venv, and of the shared place only the script (once per rank for the
+    exec, once for ``sh``) and the bundle, once per node."""
+    venv = small_venv(tmp_path_factory).prefix  # what env_bundle was packed from
+    shared = tmp_path / "shared"
+    (shared / "bin").mkdir(parents=True)
+    script = shared / "bin" / "mpistage-env"
+    shutil.copy2(SCRIPT, script)
+    bundle = shared / "env.mpistage"
+    os.link(env_bundle, bundle) if same_fs(env_bundle, shared) else shutil.copy(
+        env_bundle, bundle
+    )
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    log = tmp_path / "strace.log"
+    tracer = ["strace", "-f", "-qq", "-e", "trace=%file", "-s", "4096", "-o", log]
+    command = [*tracer, MPIEXEC, "-n", "4", script, bundle, "--", "python", app]
+    result = run(command, environ(place), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result
+    assert sorted(results(result)) == [0, 1, 2, 3], result
+    text = log.read_text()
+    touched = {p for p in trace_paths(text) if under(p, venv) or under(p, shared)}
+    assert touched == {str(script), str(bundle)}, sorted(touched)
+    counts = open_counts(text)
+    assert counts[str(bundle)] == 2, counts[str(bundle)]  # two emulated nodes
+    assert calls_on(text, bundle) == 2  # no rank stats it either
+    assert counts[str(script)] == 4, counts[str(script)]  # sh's read, per rank
+    assert not any(under(p, venv) for p in counts), sorted(counts)
+    assert settled(place) == []
+
+
+def calls_on(text, path):
+    """Count the system calls in an ``strace -f`` output whose path is *path*
+    (``execve`` lines are left out: their arguments name it too)."""
+    count = 0
+    for line in text.splitlines():
+        rest = line.partition(" ")[2].strip()
+        if rest.startswith(("execve", "<...")):
+            continue
+        match = QUOTED.search(rest)
+        count += bool(match and match.group(1) == str(path))
+    return count

@@ -359,9 +359,17 @@ class EnvLaunch(StagedEnv):
         return env
 
     def launch(self, testbed, ranks, nodes, code):
-        """One launch, counted and timed whole."""
+        """One launch, counted and timed whole; a node's share of the rest."""
         start, stats, extra = Mode.launch(self, testbed, ranks, nodes, code)
-        return start, stats, {"stage_s": 0.0, **extra}
+        size = _os.path.getsize(
+            _os.path.join(testbed.source, "bundles", "env.mpistage")
+        )
+        node = -(-outside_ranks(testbed, stats) // nodes)
+        return (
+            start,
+            stats,
+            {**extra, "stage_s": 0.0, "bundle_bytes": size, "ops_node": node},
+        )
 
     def after(self, testbed):
         """Wait for the watchdogs, then remove what is left (nothing, normally)."""
@@ -370,6 +378,19 @@ class EnvLaunch(StagedEnv):
                 break
             _time.sleep(0.1)
         _shutil.rmtree(self.local, ignore_errors=True)
+
+
+def outside_ranks(testbed, stats):
+    """Return the metadata ops of the processes that are no rank (``mpistage-env``'s
+    extraction on each node: its claim and its read of the bundle)."""
+    import json
+
+    from mpistage.bench.simfs import meta_ops
+
+    with open(testbed.result_path) as f:
+        ranks = {str(pid) for _, pid, _, _ in json.load(f)["ranks"]}
+    per_pid = stats.get("per_pid", {})
+    return sum(meta_ops(v) for pid, v in per_pid.items() if pid not in ranks)
 
 
 def installed_script():

@@ -203,7 +203,7 @@ def test_a_job_that_ends_badly_leaves_nothing_once_the_next_ran(
         env["SLEEP"] = "120"
     command = ["srun", "-N", "2", "-n", "4", SCRIPT, env_bundle, "--"]
     proc = start([*command, "python", app, out], env=env)
-    later = None
+    job = later = None
     try:
         wait_for(lambda: len(list(out.glob("*.json"))) == 4, 90, "all four ranks")
         job = job_of(results_of(out, 4))
@@ -218,7 +218,8 @@ def test_a_job_that_ends_badly_leaves_nothing_once_the_next_ran(
         later = next_job(slurm, env_bundle, tmp_path)
         assert copies(job) == {n: [] for n in NODES}
     finally:
-        for done in {job_of(results_of(out, 4)) if out.glob("*") else None, later}:
+        finish(proc, timeout=30)
+        for done in (job, later):
             if done:
                 remove_copies(done)
 

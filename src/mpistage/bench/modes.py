@@ -22,6 +22,8 @@ and the workload are. Add a mode by writing a class and listing it in
 - ``env-launch``: ``mpistage-env`` in the one launch: per node, one rank
   unpacks the bundle with the node's own Python, the others wait, then
   every rank execs the staged ``python``;
+- ``env-launch-sh``: the same, each rank starting the node's ``/bin/sh``
+  with the script (``sh VENV/bin/mpistage-env ...``);
 - ``local``: everything node-local, the no-cost limit;
 - ``plain-env``: a relocated environment run from the shared FS (packages
   layout, for comparison with its ``staged-env``).
@@ -380,6 +382,18 @@ class EnvLaunch(StagedEnv):
         _shutil.rmtree(self.local, ignore_errors=True)
 
 
+class EnvLaunchSh(EnvLaunch):
+    """``mpiexec -n R /bin/sh MOUNT/.../mpistage-env ...``: the node's ``sh``
+    reads the script, and nothing execs it from the shared FS."""
+
+    name = "env-launch-sh"
+
+    def command(self, testbed, ranks, code):
+        """Every rank starts the node's ``/bin/sh`` with the shared script."""
+        launch = super().command(testbed, ranks, code)
+        return [*launch[:3], "/bin/sh", *launch[3:]]
+
+
 def outside_ranks(testbed, stats):
     """Return the metadata ops of the processes that are no rank (``mpistage-env``'s
     extraction on each node: its claim and its read of the bundle)."""
@@ -498,6 +512,7 @@ MODES = {
             AutoFirst,
             StagedEnv,
             EnvLaunch,
+            EnvLaunchSh,
             Local,
         )
     },

@@ -237,8 +237,12 @@ def test_no_node_python_is_one_line_per_rank(env_bundle, tmp_path, place):
     assert results(result) == {}
 
 
-def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, place):
-    """Another user plants the claim of node 0 (a job's names are predictable)."""
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_planted_name_makes_the_node_use_the_next_place(
+    env_bundle, tmp_path, place, kind
+):
+    """Another user plants the claim of node 0 (a job's names are predictable):
+    a directory of theirs, or their symlink to a directory of ours."""
     spare = tmp_path / "spare"
     spare.mkdir(mode=0o700)
     shared = tmp_path / "sticky"
@@ -253,14 +257,19 @@ def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, 
         text=True,
     ).stdout.split()[0]
     planted = shared / f"mpistage-env-{os.getuid()}-f42-{key}.n0.in"
-    planted.mkdir()
-    os.chown(planted, 65534, 65534)
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    if kind == "symlink":
+        planted.symlink_to(ours)
+    else:
+        planted.mkdir()
+    os.lchown(planted, 65534, 65534)
     try:
         result = launch(env_bundle, tmp_path, env)
         assert result.returncode == 0, result
         exes = {r: Path(i["exe"]) for r, i in results(result).items()}
         assert spare in exes[0].parents and shared in exes[2].parents, exes
-        assert planted.is_dir() and planted.stat().st_uid == 65534
+        assert planted.lstat().st_uid == 65534 and list(ours.iterdir()) == []
         # Alone, the planted place is refused with one line naming the node
         # (one node: a node that fails while others start leaves those
         # waiting in MPI_Init until the launcher ends them, docs/stage.md).
@@ -272,8 +281,8 @@ def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, 
         assert lines and all("emulated node 0" in ln for ln in lines), lines
         assert "not yours" in lines[0]
     finally:
-        planted.rmdir()
-        for folder in (shared, spare):
+        planted.unlink() if planted.is_symlink() else planted.rmdir()
+        for folder in (shared, spare, ours):
             for path in folder.iterdir():
                 subprocess.run(["rm", "-rf", str(path)], check=True)
 

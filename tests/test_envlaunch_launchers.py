@@ -202,6 +202,7 @@ def test_a_job_that_ends_badly_leaves_nothing_once_the_next_ran(
     if ending != "failing rank":
         env["SLEEP"] = "120"
     command = ["srun", "-N", "2", "-n", "4", SCRIPT, env_bundle, "--"]
+    segments = {node: mpich_segments(node) for node in NODES}
     proc = start([*command, "python", app, out], env=env)
     job = later = None
     try:
@@ -222,6 +223,16 @@ def test_a_job_that_ends_badly_leaves_nothing_once_the_next_ran(
         for done in (job, later):
             if done:
                 remove_copies(done)
+        # MPICH cannot remove its segments when its ranks are killed.
+        for node in NODES:
+            new = mpich_segments(node) - segments[node]
+            if new:
+                on_node(node, "rm", "-f", *(f"/dev/shm/{name}" for name in new))
+
+
+def mpich_segments(node):
+    """The MPICH shared-memory segments in *node*'s /dev/shm."""
+    return {name for name in shm(node) if name.startswith("mpich_shm_")}
 
 
 def squeue_has(env, job):

@@ -52,6 +52,27 @@ def numpy_bundle(tmp_path_factory):
     return pack(path, "numpy")
 
 
+@pytest.fixture(scope="session")
+def small_env_bundle(tmp_path_factory):
+    """The small venv (MPICH wheel, mpi4py, numpy) packed with ``pack --env``, once."""
+    from envtools import small_venv
+    from stagetools import mpistage
+
+    venv = small_venv(tmp_path_factory)
+    path = tmp_path_factory.mktemp("small-env") / "env.mpistage"
+    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """The environment of launches on the running two-node Slurm test cluster."""
+    from launchertools import bring_up
+
+    return bring_up()
+
+
 @pytest.fixture
 def reap_mpich_shm():
     """Remove the MPICH segments that jobs ended by MPI_Abort leave in /dev/shm."""

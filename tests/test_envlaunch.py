@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from envtools import QUOTED, open_counts, small_venv, trace_paths, under
-from stagetools import MPIEXEC, clean_environ, mpistage, run
+from stagetools import MPIEXEC, clean_environ, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
 
@@ -40,14 +40,10 @@ if os.environ.get("SLEEP"):
 """
 
 
-@pytest.fixture(scope="module")
-def env_bundle(tmp_path_factory):
-    venv = small_venv(tmp_path_factory)
-    path = tmp_path_factory.mktemp("envlaunch") / "env.mpistage"
-    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
-    assert result.returncode == 0, result
-    yield path
-    path.unlink(missing_ok=True)
+@pytest.fixture
+def env_bundle(small_env_bundle):
+    """The small venv (MPICH wheel, mpi4py, numpy), packed once."""
+    return small_env_bundle
 
 
 @pytest.fixture

@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from envtools import small_venv
 from launchertools import (
     NODES,
     ROOT,
     assert_on_own_node,
-    bring_up,
     finish,
     launcher_env,
     missing,
@@ -65,20 +63,10 @@ time.sleep(float(os.environ.get("SLEEP", "0")))
 """
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """The environment of launches on the running two-node Slurm cluster."""
-    return bring_up()
-
-
-@pytest.fixture(scope="module")
-def env_bundle(tmp_path_factory):
-    """The small venv (MPICH wheel, mpi4py, numpy), packed once for the module."""
-    venv = small_venv(tmp_path_factory)
-    path = tmp_path_factory.mktemp("envlaunch-launchers") / "env.mpistage"
-    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
-    assert result.returncode == 0, result
-    return path
+@pytest.fixture
+def env_bundle(small_env_bundle):
+    """The small venv (MPICH wheel, mpi4py, numpy), packed once."""
+    return small_env_bundle
 
 
 @pytest.fixture

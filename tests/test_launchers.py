@@ -25,14 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from envtools import small_venv
 from launchertools import (
     HOST,
     NODES,
     ROOT,
     Shared,
     assert_on_own_node,
-    bring_up,
     errors,
     finish,
     kill_session,
@@ -59,20 +57,10 @@ if missing():  # the whole tier, with one line
     pytest.skip(f"launcher tier skipped: {missing()}", allow_module_level=True)
 
 
-@pytest.fixture(scope="session")
-def slurm():
-    """The environment of launches on the running two-node Slurm cluster."""
-    return bring_up()
-
-
-@pytest.fixture(scope="session")
-def env_bundle(tmp_path_factory):
+@pytest.fixture
+def env_bundle(small_env_bundle):
     """A small venv with the MPICH wheel, mpi4py and numpy, packed once."""
-    venv = small_venv(tmp_path_factory)
-    path = tmp_path_factory.mktemp("launch-env") / "env.mpistage"
-    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
-    assert result.returncode == 0, result
-    return path
+    return small_env_bundle
 
 
 @pytest.fixture(scope="session")

@@ -277,7 +277,7 @@ def _code(fd, cache, entry, origin):
     """Return the marshalled code of *entry*: its valid bytecode cache, or compiled."""
     import marshal
     import os
-    from _frozen_importlib_external import MAGIC_NUMBER, cache_from_source
+    from _frozen_importlib_external import cache_from_source
 
     st = os.stat(entry, dir_fd=fd)
     data = b""
@@ -286,12 +286,24 @@ def _code(fd, cache, entry, origin):
             data = _read_at(cache, os.path.basename(cache_from_source(origin)))
         except OSError:
             pass  # No bytecode cache yet: compile the source below.
-    stamp = (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
-    want = MAGIC_NUMBER + bytes(4) + b"".join(n.to_bytes(4, "little") for n in stamp)
-    if data[:16] == want:
+    if data[:16] == pyc_header(st):
         return data[16:]
     source = _read_at(fd, entry)
     return marshal.dumps(compile(source, origin, "exec", dont_inherit=True))
+
+
+def pyc_header(st):
+    """The 16 bytes a timestamp ``.pyc`` of the source *st* begins with.
+
+    The one check of bytecode against its source's ``os.stat_result``
+    (the node boot's modules, live imports): magic, flags 0, then the
+    source's mtime and size, each modulo 2**32, as the import system
+    writes them.
+    """
+    from _frozen_importlib_external import MAGIC_NUMBER
+
+    stamp = (int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
+    return MAGIC_NUMBER + bytes(4) + b"".join(n.to_bytes(4, "little") for n in stamp)
 
 
 def _read_at(fd, name):

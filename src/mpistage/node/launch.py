@@ -167,3 +167,17 @@ def safe_name(text):
     if kept == text and len(text) <= NAME_MAX:
         return text
     return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
+
+
+def usage_error(message, usage):
+    """Print *message* and *usage* once (the launch's first rank); exit 2 everywhere.
+
+    Every rank of a launch parses the same command line: one says it, all
+    end. Status 2 is every mpistage command's for a usage error
+    (docs/api.md).
+    """
+    import sys
+
+    if launcher_rank() == 0:
+        print(f"mpistage: error: {message}\n{usage}", file=sys.stderr)
+    sys.exit(2)

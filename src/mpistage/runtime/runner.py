@@ -65,16 +65,11 @@ def usage():
     return text.replace("PROG", "python -m mpistage" if main else "mpistage")
 
 
-def usage_error(message, text=None):
-    """Print *message* and the usage once (first rank), exit 2 on all ranks.
+def usage_error(message):
+    """The runner's usage error (:func:`mpistage.node.launch.usage_error`)."""
+    from mpistage.node.launch import usage_error as refuse
 
-    Status 2 is every mpistage command's for a usage error (docs/api.md).
-    """
-    from mpistage.node.launch import launcher_rank
-
-    if launcher_rank() == 0:
-        print(f"mpistage: error: {message}\n{text or usage()}", file=_sys.stderr)
-    _sys.exit(2)
+    refuse(message, usage())
 
 
 def parse(argv):

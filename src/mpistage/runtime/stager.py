@@ -362,9 +362,9 @@ def summary(bundle, template, reused, out=1, err=2):
 
 def usage_error(message):
     """A usage error: one line and the usage, exit status 2 (as every command)."""
-    from mpistage.runtime.runner import usage_error
+    from mpistage.node.launch import usage_error as refuse
 
-    usage_error(message, USAGE)
+    refuse(message, USAGE)
 
 
 def main(world, argv):

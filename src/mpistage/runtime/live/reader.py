@@ -46,7 +46,7 @@ cannot be loaded from the copy without.
 
 import os as _os
 
-from mpistage import read_fd
+from mpistage import pyc_header, read_fd
 from mpistage.node.elf import elf_dynamic, expand_origin
 
 MAX_OPEN = 256  # directory descriptors kept open
@@ -371,16 +371,9 @@ def bytecode_verdict(data, st):
 
     if not data or len(data) < 16 or data[:4] != MAGIC_NUMBER:
         return "stale"
-    flags = int.from_bytes(data[4:8], "little")
-    if flags & 1:
+    if int.from_bytes(data[4:8], "little") & 1:
         return "hash"
-    mtime = (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
-    size = (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")
-    return (
-        "valid"
-        if flags == 0 and data[8:12] == mtime and data[12:16] == size
-        else "stale"
-    )
+    return "valid" if data[:16] == pyc_header(st) else "stale"
 
 
 def origin_dirs(data, folder):

@@ -298,14 +298,12 @@ def metadata_path(entries, roots):
     return path
 
 
-class RedirectFinder:
+class RedirectFinder(_finders.MetaWrapper):
     """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
 
     def __init__(self, base, finders):
-        self.base, self.finders = base, finders
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
+        super().__init__(base)
+        self.finders = finders
 
     def find_spec(self, fullname, path=None, target=None):
         """Ask the wrapped finder; load a module of a bundled tree from the copy."""

@@ -407,7 +407,17 @@ def register_pkgutil(pkgutil):
 # -- distributions, and modules told of the finders ------------------------------------
 
 
-class ServingMetaFinder:
+class MetaWrapper:
+    """A meta path finder standing in for another (*base*), which it forwards to."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+class ServingMetaFinder(MetaWrapper):
     """Stands in for ``PathFinder`` in ``sys.meta_path``.
 
     Finding modules is left to ``PathFinder`` (and so to the path hook);
@@ -418,12 +428,6 @@ class ServingMetaFinder:
     """
 
     AFTER = {"pkgutil": register_pkgutil}
-
-    def __init__(self, base):
-        self.base = base
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
 
     def find_spec(self, fullname, path=None, target=None):
         """Find a module as ``PathFinder`` does; prepare those named in AFTER."""
@@ -486,7 +490,7 @@ def stand_in(make):
 
 
 def step_aside(wrappers):
-    """Put the finders that *wrappers* wrap (``.base``) back in sys.meta_path."""
+    """Put the finders that *wrappers* (:class:`MetaWrapper`) wrap back in place."""
     for index, finder in enumerate(_sys.meta_path):
         if any(finder is wrapper for wrapper in wrappers):
             _sys.meta_path[index] = finder.base

@@ -187,6 +187,14 @@ class LiveSession:
                 raise Unknown(path)
         return found[0]
 
+    def served_listing(self, folder):
+        """Return the listing of *folder*; raise ``Unknown`` unless served live now."""
+        from mpistage.runtime.finders import Unknown
+
+        if not self.usable() or not self.serves(folder):
+            raise Unknown(folder)
+        return self.listing(folder)
+
     def knows(self, path):
         """Whether the listing of *path* is here."""
         return self.listings.get(path) is not None

@@ -43,16 +43,13 @@ class LiveHook(_finders.ServingHook):
 
     def finder(self, folder):
         """Return the finder of *folder*; none for what is not served (or a file)."""
-        live = self.live
-        if not live.usable() or not live.serves(folder):
-            return None
         try:
-            entries = live.listing(folder)
+            entries = self.live.served_listing(folder)
         except Unknown:
             return None
         if entries is False:
             return None  # not a directory: a zip is zipimport's
-        return LiveFinder(folder, live)
+        return LiveFinder(folder, self.live)
 
 
 class LiveFinder(_finders.ServingFinder):
@@ -218,11 +215,10 @@ def make_live_path():
         def entry(self):
             """Return what :func:`entry_kind` says of this path, or ``None``."""
             live = self.served()
-            parent = _os.path.dirname(str(self))
-            if live is None or not live.serves(parent):
+            if live is None:
                 return None
             try:
-                entries = live.listing(parent)
+                entries = live.served_listing(_os.path.dirname(str(self)))
             except Unknown:
                 return None
             return entry_kind(entries, self.name) if entries else "absent"
@@ -300,11 +296,8 @@ class LiveMetaFinder(_finders.ServingMetaFinder):
         """Return the distributions in a served *folder*, or ``None`` if not served."""
         from importlib.metadata import PathDistribution, Prepared
 
-        live = self.live
-        if not live.usable() or not live.serves(folder):
-            return None
         try:
-            entries = live.listing(folder)
+            entries = self.live.served_listing(folder)
         except Unknown:
             return None
         if not entries:

@@ -75,6 +75,7 @@ def test_first_run_records_then_replays(tmp_path, stage_env, stage_dir, app):
     assert facts["modules"]["served"] > 0, facts
     assert facts["modules"]["missed"] == 0, facts
     assert facts["bundle_bytes"] == cached.stat().st_size
+    assert facts["seconds"]["read"] > 0, facts  # the cached bundle was read
     assert result.stdout == ["tiny data\n"] * 4, result
     for res in results(stage_env, 4):
         assert below(res["file"], stage_dir), res
@@ -187,7 +188,7 @@ def test_auto_and_bundle_exclude_each_other(tmp_path, stage_env):
         ["--bundle=" + str(tmp_path / "x.mpistage"), "--auto", script],
     ):
         result = mpistage(args, env=stage_env, cwd=tmp_path)
-        assert result.returncode == 1, result
+        assert result.returncode == 2, result  # a usage error (docs/api.md)
         errors = result.errors()
         assert len(errors) == 1 and "--auto and --bundle" in errors[0], result
         assert "ran" not in result.stdout

@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -281,6 +282,59 @@ def test_one_copy_per_node(tmp_path, stage_env, files, ranks, nodes):
         # together account for one copy of the file, not one per rank.
         assert abs(sum(out["pss_kb"] for out in mine) - 4096) <= 64, mine
     assert len({out["inode"] for out in found}) == nodes
+
+
+BYTES_LIKE = """
+import io, sys
+blob = FILES["blob"]
+want = open(blob, "rb").read()
+out = {"python": list(sys.version_info[:2])}
+buf = data.read(blob, comm=comm)
+array = np.frombuffer(buf, np.uint8)
+out["bytes"] = bytes(buf) == want
+out["sha256"] = hashlib.sha256(buf).hexdigest() == hashlib.sha256(want).hexdigest()
+out["frombuffer"] = array.tobytes() == want and not array.flags.writeable
+out["memoryview_readonly"] = memoryview(buf).readonly
+try:
+    io.BytesIO(b"xx").readinto(buf)  # asks for a writable buffer
+    out["writable_refused"] = False
+except (TypeError, BufferError):
+    out["writable_refused"] = True
+inode = mapping(address(buf.view))["inode"]
+kept = memoryview(buf)
+buf.close()
+out["kept_after_close"] = mapped(inode) and bytes(kept) == want
+try:
+    memoryview(buf)
+    out["closed_refused"] = False
+except (ValueError, SystemError):
+    out["closed_refused"] = True
+del kept, array
+data.read(FILES["c"], comm=comm).close()  # any later call frees it
+out["freed"] = not mapped(inode)
+emit(out)
+"""
+
+
+def test_a_shared_buffer_is_bytes_like(tmp_path, stage_env, files):
+    """``bytes``, ``hashlib`` and ``numpy.frombuffer`` take it on this Python.
+
+    Before Python 3.12 no ``__buffer__`` helps: the venv's Python 3.11 runs
+    the other mechanism (:mod:`mpistage.data.exports`).
+    """
+    found = launch(4, 2, BYTES_LIKE, files, stage_env, tmp_path)
+    for rank, out in enumerate(found):
+        assert out.pop("python") == list(sys.version_info[:2])
+        assert out == {
+            "bytes": True,
+            "sha256": True,
+            "frombuffer": True,
+            "memoryview_readonly": True,
+            "writable_refused": True,
+            "kept_after_close": True,
+            "closed_refused": True,
+            "freed": True,
+        }, f"rank {rank}"
 
 
 # Registered before mpistage.data is imported, so it runs after data's own

@@ -572,6 +572,35 @@ def test_run_stages_runs_and_cleans(env_bundle, tmp_path, status):
     assert not (tmp_path / "run").exists()  # cleaned on every node
 
 
+def test_an_environment_changed_since_pack_is_refused(env_bundle, venv, tmp_path):
+    """An install after ``pack --env``: run and stage refuse in one line, --trust not.
+
+    The environment gets a new distribution, then loses it again: the
+    bundle is stale in between and fresh afterwards.
+    """
+    added = venv.site / "newpkg-1.0.dist-info"
+    env = dict(clean_environ(), MPISTAGE_EMULATE_NODES="2")
+    command = [MPIEXEC, "-n", "2", PYTHON, "-c", "pass"]
+    run_args = ["run", "--env", env_bundle, "--to", tmp_path / "r" / "n{node}"]
+    added.mkdir()
+    try:
+        refused = mpistage([*run_args, "--", *command], env, timeout=60)
+        assert refused.returncode == 1, refused
+        (line,) = refused.stderr.splitlines()
+        assert line.startswith("mpistage: error: environment bundle "), line
+        assert f"{str(venv.site)!r} changed since `pack --env`" in line, line
+        assert "--trust" in line, line
+        outcome = stage(2, env_bundle, tmp_path / "s" / "n{node}", nodes=2)
+        assert "is stale" in assert_refused(outcome, 2, "changed since")
+        assert not (tmp_path / "r").exists() and empty_or_absent(tmp_path / "s")
+        trusted, _ = stage(2, env_bundle, tmp_path / "t" / "n{node}", 2, ["--trust"])
+        assert trusted.returncode == 0, trusted
+        shutil.rmtree(tmp_path / "t")
+    finally:
+        added.rmdir()
+    assert mpistage([*run_args, "--", *command], env, timeout=60).returncode == 0
+
+
 def test_run_refuses_a_command_without_python(env_bundle, tmp_path):
     command = [MPIEXEC, "-n", "2", "hostname"]
     result = mpistage(["run", "--env", env_bundle, "--", *command], clean_environ())

@@ -193,8 +193,8 @@ def test_exception_without_bundle_ends_the_job(tmp_path, stage_env):
 )
 def test_usage_errors(stage_env, args, message):
     result, status = mpirun_status(2, ["-m", "mpistage", *args], stage_env)
-    assert result.returncode == 1, result
-    assert status == {0: 1, 1: 1}, result
+    assert result.returncode == 2, result
+    assert status == {0: 2, 1: 2}, result
     assert len(result.errors()) == 1, result
     assert message in result.errors()[0]
     assert result.stderr.count("usage: python -m mpistage") == 1

@@ -15,12 +15,7 @@ import pytest
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 
-from mpistage.bench.generate import (
-    GenerateError,
-    cli_generate,
-    find_compiler,
-    generate,
-)
+from mpistage.bench.generate import GenerateError, cli_generate, find_compiler, generate
 from mpistage.bench.generate.native import rpath_for
 from mpistage.bench.generate.tree import package_paths
 

@@ -570,7 +570,9 @@ def test_signal_during_the_run_step_cleans(slurm, env_bundle, shared, app, out):
     wait_for(lambda: len(list(out.iterdir())) == 4, what="the ranks to start")
     os.kill(children(proc.pid)[0], signal.SIGTERM)
     status, _out, err = finish(proc)
-    assert status != 0, err
+    assert status == 143, err
+    assert errors(err) == ["mpistage: error: SIGTERM during the run step; cleaning up"]
+    assert "Traceback" not in err, err
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 
@@ -587,6 +589,33 @@ def test_signal_during_the_stage_step_cleans_emulated_nodes(
     status, _out, err = finish(proc)
     assert status == 130, err
     assert list(out.iterdir()) == []
+    assert not folder.exists(), list(folder.rglob("*"))[:5]
+
+
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name
+)
+def test_signal_during_the_run_step_is_one_line(
+    env_bundle, shared, app, out, tmp_path, signum
+):
+    """SIGINT or SIGTERM while Hydra's ranks run: 128 + N, one line, no traceback.
+
+    What a user sees after Ctrl-C: no rank's KeyboardInterrupt, no Hydra
+    banner, the step named, and nothing left of the stage.
+    """
+    env = dict(launcher_env(), MPISTAGE_EMULATE_NODES="2")
+    folder = tmp_path / "stage"
+    launch = [MPIEXEC, "-n", "4", shared.python, app, out, "time.sleep(60)"]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder / "n{node}"]
+    proc = start([*command, "--", *launch], env)
+    wait_for(lambda: len(list(out.iterdir())) == 4, what="the ranks to start")
+    proc.send_signal(signum)
+    status, stdout, err = finish(proc)
+    assert status == 128 + signum, err
+    assert errors(err) == [
+        f"mpistage: error: {signum.name} during the run step; cleaning up"
+    ], err
+    assert "Traceback" not in err and "Ctrl-C" not in stdout + err, (stdout, err)
     assert not folder.exists(), list(folder.rglob("*"))[:5]
 
 

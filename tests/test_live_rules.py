@@ -127,7 +127,7 @@ def test_what_is_no_elf_object_needs_nothing():
 
 
 def test_origin_entries_of_a_run_path():
-    from mpistage.nodeelf import expand_origin
+    from mpistage.node.elf import expand_origin
 
     assert expand_origin("$ORIGIN/../x.libs", "/a/b") == "/a/x.libs"
     assert expand_origin("${ORIGIN}/lib", "/a") == "/a/lib"

@@ -19,7 +19,8 @@ from pathlib import Path
 import mpi4py
 import pytest
 
-from mpistage import nodecopy, nodeimport
+from mpistage.node import copy as nodecopy
+from mpistage.node import launch as nodelaunch
 from mpistage.runtime.report import rank_list
 from stagetools import MPIEXEC, PYTHON, mpirun, run, uid_dir, write_target
 
@@ -43,7 +44,7 @@ atexit.register(_dump)
 TARGET = """\
 import sys
 from mpi4py import MPI
-boot = sys.modules["mpistage.nodeboot"].state
+boot = sys.modules["mpistage.node.boot"].state
 maps = open("/proc/self/maps").read().split()
 emit({"role": boot.role, "place": boot.path, "reason": boot.reason,
       "mpi": MPI.__file__, "libmpi": sorted({m for m in maps if "/libmpi" in m})})
@@ -141,7 +142,7 @@ def plant(stage_dir, ranks, nodes, launch, pid, keep=True):
         with pytest.MonkeyPatch.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
-            name = nodeimport.place_name()
+            name = nodelaunch.place_name()
         place = uid_dir(stage_dir) / name
         place.mkdir(parents=True, mode=0o700)
         record = f"kind=boot\nhost={os.uname().nodename}\npid={pid}\njob=x\n"
@@ -343,14 +344,14 @@ def test_launch_names_from_the_launchers(monkeypatch):
     for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "PMIX_NAMESPACE", "FLUX_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FLUX_JOB_ID", "f1")
-    assert nodeimport.launch() == "flux-f1"
+    assert nodelaunch.launch() == "flux-f1"
     monkeypatch.setenv("PMIX_NAMESPACE", "prterun-h-1@1")
-    assert nodeimport.launch() == "pmix-prterun-h-1@1"
+    assert nodelaunch.launch() == "pmix-prterun-h-1@1"
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setenv("SLURM_STEP_ID", "3")
-    assert nodeimport.launch() == "slurm-42.3"
-    assert nodeimport.safe_name("pmix-prterun-h-1@1").startswith("pmix-prterun-h-1_1-")
-    assert nodeimport.safe_name("slurm-42.3") == "slurm-42.3"
+    assert nodelaunch.launch() == "slurm-42.3"
+    assert nodelaunch.safe_name("pmix-prterun-h-1@1").startswith("pmix-prterun-h-1_1-")
+    assert nodelaunch.safe_name("slurm-42.3") == "slurm-42.3"
 
 
 def test_the_mpi_library_says_what_it_needs_and_where():
@@ -434,7 +435,7 @@ def test_the_report_names_originals_mapped_despite_a_copy(tmp_path):
     """What ``/proc/self/maps`` shows decides, not what the node boot meant to load."""
     import _ctypes  # an extension module this process has mapped
 
-    from mpistage.nodeboot import mapped_from
+    from mpistage.node.boot import mapped_from
     from mpistage.runtime.report import start_lines, starts
 
     original = os.path.realpath(_ctypes.__file__)

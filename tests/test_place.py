@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from mpistage import StageError
-from mpistage.runtime import cleanup, place
+from mpistage.node import cleanup, place
 from mpistage.runtime.extract import Footprint
 
 ROOT = os.geteuid() == 0

@@ -395,7 +395,7 @@ def test_python_m_mpi4py_with_a_bundle_misses_nothing(tmp_path, stage_env, tiny,
 
 
 def test_entry_modules_of_the_documented_entry_points():
-    from mpistage.nodeimport import entry_modules
+    from mpistage.node.imports import entry_modules
 
     assert entry_modules(["mpistage", "--bundle", "b", "-m", "mpi4py", "a.py"]) == (
         "mpi4py.run",

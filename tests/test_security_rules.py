@@ -94,7 +94,7 @@ def outside(tmp_path):
 def deep_cleanup(tmp_path):
     """Remove this test's files with a loop: pytest's own removal recurses."""
     yield
-    from mpistage.runtime.cleanup import remove_entry
+    from mpistage.node.cleanup import remove_entry
 
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -340,3 +340,18 @@ def test_mount_timeout_stops_the_server(tree, monkeypatch):
         fs.mount(timeout=0.5)
     assert time.monotonic() - start < 10
     assert fs.process is None
+
+
+@requires_fuse
+def test_the_live_reader_reads_a_file_for_three_metadata_operations(mount):
+    """A lookup, an open and a getattr: not Python's two more reads past the end."""
+    from mpistage.runtime.live.reader import Reader
+
+    fs = mount(latency=0)
+    reader = Reader()
+    reader.dir_fd(fs.mountpoint)  # the directory's descriptor, held from here
+    fs.reset()
+    got = [reader.read(str(fs.mountpoint), name) for name in ("blob.bin", "f")]
+    stats = settled_stats(fs, lambda s: s["ops"].get("release") == 2)
+    assert [data for data, _mode, _mtime in got] == [BLOB, b"x"]
+    assert stats["ops"] == {"getattr": 4, "open": 2, "read": 2, "release": 2}

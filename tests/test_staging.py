@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from mpistage import StageError
-from mpistage.runtime import cleanup
-from mpistage.runtime import place as stage
+from mpistage.node import cleanup
+from mpistage.node import place as stage
 from mpistage.runtime.extract import Footprint
 from stagetools import EMIT, job_dirs, mpirun_status, mpistage, results, uid_dir
 

@@ -226,7 +226,7 @@ def test_auto_rebuilds_a_stale_cached_bundle(tmp_path, stage_env):
 def test_bad_validate_mode(tmp_path, stage_env, option):
     script = write_target(tmp_path / "app.py", "print('ran')\n")
     result = mpistage([option, script], env=stage_env, cwd=tmp_path)
-    assert result.returncode == 1, result
+    assert result.returncode == 2, result  # a usage error (docs/api.md)
     assert result.stderr.startswith("mpistage: error: --validate"), result
     assert len(result.errors()) == 1
     assert "ran" not in result.stdout
@@ -483,3 +483,35 @@ def test_staleness_table(tmp_path, monkeypatch, change):
         if found and mode != "trust":  # the fresh listing names it
             names = set().union(*(module_names(r["listing"]) for r in checked["roots"]))
             assert found in names, mode
+
+
+# -- environment bundles: a few directories stand for the environment ------------------
+
+
+def test_an_environment_change_is_seen_and_bytecode_is_not(tmp_path):
+    """``envfresh``: install, reinstall and removal are changes; ``__pycache__`` not."""
+    from mpistage.runtime.envfresh import changed, snapshot, watched
+
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    stdlib = tmp_path / "base" / "lib" / "python3.11"
+    (site / "pkg-1.0.dist-info").mkdir(parents=True)
+    stdlib.mkdir(parents=True)
+    (tmp_path / "lib64").symlink_to("lib")  # the same site-packages, named once
+    dirs = watched(str(tmp_path), str(stdlib))
+    assert dirs == [str(site), str(stdlib)]
+    manifest = {"env": {"watch": snapshot(dirs)}}
+
+    def after(change):
+        change()
+        os.utime(site, ns=(1, 1))  # an mtime that surely moved
+        return changed(manifest)
+
+    assert after(lambda: (site / "__pycache__").mkdir()) == []
+    assert after(lambda: (site / "new-2.0.dist-info").mkdir()) == [str(site)]
+    assert after(lambda: (site / "new-2.0.dist-info").rmdir()) == []
+    old, stash = site / "pkg-1.0.dist-info", tmp_path / "stash"
+    reinstall = (lambda: old.rename(stash), old.mkdir, stash.rmdir)  # as pip does
+    assert after(lambda: [step() for step in reinstall]) == [str(site)]
+    shutil.rmtree(stdlib)
+    assert changed(manifest) == [str(site), str(stdlib)]
+    assert changed({"env": {}}) == [] and changed({}) == []  # bundles made before

@@ -97,6 +97,33 @@ def test_record_usage_shows_its_real_switch():
     assert "[--no-stdlib]" in result.stdout and "[--stdlib]" not in result.stdout
 
 
+USAGE_ERRORS = [
+    (["run", "--env"], "run: argument --env"),
+    (["run", "--env", "e.mpistage"], "run: the following arguments are required"),
+    (["pack"], "pack: the following arguments are required"),
+    (["inspect"], "inspect: the following arguments are required"),
+    (["record", "-o"], "record: argument -o"),
+    (["clean", "--bogus"], "clean: unrecognized arguments: --bogus"),
+    (["bench"], "bench: no verb"),
+    (["bench", "run", "--bogus"], "bench run: unrecognized arguments"),
+    (["stage", "e.mpistage"], "stage: give BUNDLE and --to DIR"),
+    (["--bogus", "-c", "pass"], "unknown option '--bogus'"),
+    (["nonsense"], "unknown command 'nonsense'"),
+]
+
+
+def test_usage_errors_follow_one_rule_in_every_command():
+    """docs/api.md: one ``mpistage: error:`` line first, then usage; status 2."""
+    env = clean_environ()
+    for args, message in USAGE_ERRORS:
+        result = run([SCRIPT, *args], env)
+        first, *rest = result.stderr.splitlines()
+        assert result.returncode == 2, result
+        assert first.startswith("mpistage: error: " + message), (args, first)
+        assert "Traceback" not in result.stderr, result
+        assert args == ["nonsense"] or rest[0].startswith("usage: "), result
+
+
 def test_bench_help_explains_every_verb():
     result = mpistage(["bench", "--help"], env=clean_environ())
     assert result.returncode == 0, result

@@ -27,8 +27,8 @@ from mpistage.cli.clean import REMOVE_STAGE
 from mpistage.cli.launchers import HYDRA, OPENMPI, understand
 from mpistage.cli.run import default_dir
 from mpistage.cli.slurmstage import PREPARE
-from mpistage.nodeboot import Meeting
-from mpistage.nodeimport import VERSION, Declined, identity
+from mpistage.node.boot import Meeting
+from mpistage.node.imports import VERSION, Declined, identity
 from recordtools import need_report, replay
 from stagetools import (
     MPIEXEC,
@@ -293,7 +293,7 @@ def test_another_user_taking_the_default_dir_first_does_not_stop_the_job(
 
 HOLD = """
 import os, sys, time
-boot = sys.modules["mpistage.nodeboot"].state
+boot = sys.modules["mpistage.node.boot"].state
 emit({"role": boot.role, "place": boot.path, "reason": boot.reason})
 if os.environ.get("HOLD"):
     open(os.environ["HOLD"], "w").close()

@@ -146,7 +146,7 @@ def load_local(package, stems):
     """Make the modules *stems* of mpistage's *package* importable, read here.
 
     The one-process form of :func:`preload`, for what runs before MPI (the
-    node boot, :mod:`mpistage.nodeboot`): each module is read relative to
+    node boot, :mod:`mpistage.node.boot`): each module is read relative to
     an open descriptor of its directory, about six metadata operations,
     instead of being looked for along ``sys.path``. Modules imported or
     loadable already are skipped; with none left, nothing is read.
@@ -165,6 +165,8 @@ def load_local(package, stems):
 
 
 _LOCAL = {}  # what load_local read, by module name
+# The modules of mpistage.node every rank reads before MPI (the node boot).
+NODE = ("__init__", "boot", "imports", "launch", "place", "cleanup")
 
 
 def own_module(name):
@@ -298,16 +300,59 @@ def _read_at(fd, name):
 
     file = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
     try:
-        size, chunks = os.fstat(file).st_size, []
-        while size > 0:
-            chunk = os.read(file, size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
+        return read_fd(file, os.fstat(file).st_size)
     finally:
         os.close(file)
+
+
+def read_fd(fd, size):
+    """Read the *size* bytes the open file *fd* had at its ``fstat`` (fewer if
+    it shrank since).
+
+    Not Python's read to the end: asking past the size the client knows
+    costs a shared file system one more metadata operation (a ``getattr``),
+    and reading to the end asks twice. The one whole-file reader of the
+    node boot, the live reader and the runner.
+    """
+    import os
+
+    chunks = []
+    while size > 0:
+        chunk = os.read(fd, size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+class Backoff:
+    """The pauses of a wait that polls: from *first* seconds, doubling to *most*.
+
+    The one rule for every poll (a collective's request, a live request's
+    answer, the relay's loop, a follower's look at its node's place): a
+    fast answer loses little, a long wait takes no CPU. Each caller names
+    its two bounds.
+    """
+
+    def __init__(self, first, most):
+        self.first, self.most = first, most
+        self.pause = first
+
+    def next(self):
+        """Return the pause to take now; the one after is twice as long."""
+        pause, self.pause = self.pause, min(self.pause * 2, self.most)
+        return pause
+
+    def sleep(self):
+        """Sleep for :meth:`next`."""
+        import time
+
+        time.sleep(self.next())
+
+    def reset(self):
+        """Start again from *first* (something happened)."""
+        self.pause = self.first
 
 
 class _Preloaded:

@@ -7,7 +7,7 @@ stager; both run in every rank of a job, so this file keeps their start-up
 to the least: it imports mpi4py with the ``PYTHONPATH`` entries and the
 script directory off ``sys.path`` (they are searched for nothing), one rank
 per node from the shared file system and the others from its node-local
-copy (:mod:`mpistage.nodeboot`), gets the runtime package from rank 0
+copy (:mod:`mpistage.node.boot`), gets the runtime package from rank 0
 (:func:`mpistage.load_runtime`), restores ``sys.path`` exactly, and hands
 over.
 """
@@ -48,7 +48,7 @@ def main(argv=None):
     except BaseException as exc:
         crash(world, exc)
     finally:
-        from mpistage.nodeboot import leave
+        from mpistage.node.boot import leave
 
         leave()
     _sys.exit(status)
@@ -81,13 +81,14 @@ def looks_like_command(word):
 
 def boot():
     """Import mpi4py and the runtime without searching ``PYTHONPATH``; return world."""
-    from mpistage import load_local, load_runtime
+    from mpistage import NODE, load_local, load_runtime
 
     saved = _sys.path[:]
     _sys.path[:] = boot_path(saved)
     try:
-        load_local("mpistage", ("nodeboot", "nodeimport"))
-        from mpistage.nodeboot import import_mpi
+        load_local("mpistage", ("settings",))
+        load_local("mpistage.node", NODE)
+        from mpistage.node.boot import import_mpi
 
         MPI = import_mpi()
         load_runtime(MPI.COMM_WORLD)

@@ -39,10 +39,16 @@ def main(argv):
     """Dispatch ``mpistage bench VERB ...``; return the exit status."""
     import importlib
 
+    if argv[:1] in (["-h"], ["--help"]):
+        print(HELP)
+        return 0
     if not argv or argv[0] not in VERBS:
-        wanted = argv[:1] in (["-h"], ["--help"])
-        print(HELP, file=_sys.stdout if wanted else _sys.stderr)
-        return 0 if wanted else 1
+        from mpistage.cli import error
+
+        what = f"unknown verb {argv[0]!r}" if argv else "no verb"
+        error(f"bench: {what}; verbs: {', '.join(VERBS)}")
+        print(HELP, file=_sys.stderr)
+        return 2
     verb, rest = argv[0], argv[1:]
     module = importlib.import_module(VERBS[verb])
     exit_on_term()
@@ -65,9 +71,9 @@ def exit_on_term():
 
 def run_parser():
     """Return the argument parser of ``mpistage bench run``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage bench run",
         description="Compare startup modes side by side on a simulated "
         "shared file system.",

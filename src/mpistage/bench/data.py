@@ -102,9 +102,9 @@ FIGURES = COLUMNS[5:]  # what a cell measures
 
 def parser():
     """Return the argument parser of ``mpistage bench data``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage bench data",
         description="Load a large .npy from the simulated shared file system "
         "on P ranks: numpy.load on every rank vs mpistage.data.load.",

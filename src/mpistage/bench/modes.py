@@ -41,6 +41,7 @@ class Mode:
     """A way to start the workload; subclasses override what differs."""
 
     name = "?"
+    summary = ""  # what it is, in a few words: the plot's legend
     layouts = ("realistic", "packages")
     empty = False  # run no workload code: the floor
 
@@ -135,6 +136,7 @@ class Floor(Mode):
     """``from mpi4py import MPI`` and nothing else: F."""
 
     name = "floor"
+    summary = "only `from mpi4py import MPI`, what any MPI program pays"
     empty = True
 
 
@@ -142,6 +144,7 @@ class Plain(Mode):
     """Everything imported as usual, from the shared file system."""
 
     name = "plain"
+    summary = "every rank reads the shared FS"
 
 
 class RunnerMode(Mode):
@@ -156,6 +159,7 @@ class Bundled(RunnerMode):
     """The mpistage runner, with a bundle that lives on the shared FS."""
 
     name = "mpistage"
+    summary = "bundle read once, one copy per node"
 
     def prepare(self, testbed):
         """Pack the workload (and the stdlib), found through the mount."""
@@ -184,6 +188,7 @@ class BundledTrust(Bundled):
     """The runner with ``--trust``: no staleness check by rank 0."""
 
     name = "mpistage-trust"
+    summary = "the same, no staleness check"
 
     def runner(self, testbed):
         """Run the target through ``mpistage --bundle --trust``."""
@@ -194,6 +199,7 @@ class BundledModule(Bundled):
     """The runner started as ``python -m mpistage``: ``runpy`` imports first."""
 
     name = "mpistage-m"
+    summary = "the same, started as python -m mpistage"
     layouts = ("realistic",)
 
     def runner(self, testbed):
@@ -205,6 +211,7 @@ class Auto(Bundled):
     """``--auto``, second run: the cache was filled by an untimed first run."""
 
     name = "auto"
+    summary = "--auto, replaying its learned bundle"
     layouts = ("packages",)
 
     def prepare(self, testbed):
@@ -228,6 +235,7 @@ class Live(RunnerMode):
     """The runner with no bundle: imports served live."""
 
     name = "live"
+    summary = "no bundle: rank 0 reads, imports served live"
 
     def runner(self, testbed):
         """Run the target through the ``mpistage`` command, no bundle."""
@@ -238,6 +246,7 @@ class AutoFirst(Live):
     """``--auto`` with an empty cache: live imports, then the bundle is saved."""
 
     name = "auto-first"
+    summary = "--auto's first run: live, and the bundle saved"
 
     def prepare(self, testbed):
         """A cache directory of its own, emptied after every cell."""
@@ -272,6 +281,7 @@ class StagedEnv(Mode):
     """``mpistage stage`` (one rank per node), then the run from node-local copies."""
 
     name = "staged-env"
+    summary = "whole environment staged per node, then run"
 
     def prepare(self, testbed):
         """Pack the whole environment onto the shared FS (untimed)."""
@@ -334,6 +344,7 @@ class EnvLaunch(StagedEnv):
     """``mpiexec -n R mpistage-env BUNDLE -- python -c CODE``: one launch."""
 
     name = "env-launch"
+    summary = "mpistage-env: one process per node unpacks, in the launch"
 
     def prepare(self, testbed):
         """Pack the environment; put ``mpistage-env`` beside ``mpistage`` (untimed)."""
@@ -383,6 +394,7 @@ class Local(StagedEnv):
     """Everything node-local (the environment staged untimed): the no-cost limit."""
 
     name = "local"
+    summary = "everything node-local (the limit)"
 
     def launch(self, testbed, ranks, nodes, code):
         """Stage untimed, then run and measure the run alone."""
@@ -401,6 +413,7 @@ class LocalPackages(Mode):
     """The workload copied to node-local RAM disk (packages layout)."""
 
     name = "local"
+    summary = "everything node-local (the limit)"
     layouts = ("packages",)
 
     def prepare(self, testbed):
@@ -426,6 +439,7 @@ class PlainEnv(Mode):
     """A relocated environment run from the shared FS (packages layout)."""
 
     name = "plain-env"
+    summary = "a relocated environment on the shared FS"
     layouts = ("packages",)
     workloads = ("numpy",)  # what the small environment holds
 

@@ -10,7 +10,7 @@ benchmark (:class:`mpistage.bench.data.DataTestbed`) add what they mount.
 import os as _os
 import sys as _sys
 
-RAM_DISK = "/dev/shm"  # node-local storage, where the runner stages
+from mpistage.node.place import RAM_DISK
 
 
 class Testbed:

@@ -112,12 +112,24 @@ def pack_env(output, prefix=None, exclude=(), exclude_libs=()):
     env = Env(prefix or _sys.prefix)
     if env.base:
         check_base(env)
+    watch = watch_env(env)  # before reading: a change while packing shows later
     roots = Selection(exclude=DEFAULT_EXCLUDE + tuple(exclude))
     take_env(roots, env)
     if env.base:
         take_base(roots, env)
     libs, missing = take_libraries(roots, env, exclude_libs)
-    return write_env(output, roots, env, libs, missing)
+    return write_env(output, roots, env, libs, missing, watch)
+
+
+def watch_env(env):
+    """The directories ``mpistage run`` checks for changes, with their state now.
+
+    See :mod:`mpistage.runtime.envfresh`.
+    """
+    from mpistage.runtime.envfresh import snapshot, watched
+
+    stdlib = _os.path.join(env.base or env.prefix, "lib", f"python{env.version}")
+    return snapshot(watched(env.prefix, stdlib))
 
 
 def take_env(roots, env):
@@ -278,7 +290,7 @@ def patch_string(data, offset, mapping, own_dir):
     return True
 
 
-def write_env(output, roots, env, libs, missing):
+def write_env(output, roots, env, libs, missing, watch=()):
     """Relocate what needs it and write the environment bundle."""
     from mpistage.bundle.envboot import launch_field
     from mpistage.bundle.writer import write
@@ -301,6 +313,7 @@ def write_env(output, roots, env, libs, missing):
             "base": env.base,
             "libraries": sorted(libs),
             "missing": missing,
+            "watch": list(watch),
         },
         "launch": launch_field(),  # mpistage-env's extraction code
     }

@@ -46,6 +46,26 @@ def closed_stdout():
     return 141  # 128 + SIGPIPE, what a shell tool killed by it returns
 
 
+def argument_parser(**kwargs):
+    """An ``argparse.ArgumentParser`` whose usage errors follow the tools' rule.
+
+    The rule, for every tool, the runner and the stager: a usage error (an
+    unknown option, a missing or bad argument) prints one ``mpistage:
+    error: COMMAND: ...`` line, then the command's usage, and exits with
+    status 2; an error in what the command works on exits with status 1.
+    argparse alone would print the usage first and ``mpistage run: error:``.
+    """
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            command = self.prog.removeprefix("mpistage ")
+            error(f"{command}: {message}")
+            self.exit(2, self.format_usage())
+
+    return Parser(**kwargs)
+
+
 def error(message):
     """Print the one-line error of the command line, control characters escaped."""
     from mpistage.bundle.inspect import printable

@@ -6,7 +6,7 @@ root of this user, on this host, whose leader is gone or a zombie is stale.
 Environment stages under their default name (``mpistage-env-UID-...``)
 whose job ended are stale too (:mod:`mpistage.runtime.envreap`).
 Given ``DIR``, it removes an environment that ``mpistage stage`` filled,
-complete or interrupted. Removal is :func:`mpistage.runtime.cleanup.remove`.
+complete or interrupted. Removal is :func:`mpistage.node.cleanup.remove`.
 
 :data:`REMOVE_STAGE` is the same removal for ``mpistage run``'s clean step,
 as a ``/bin/sh`` script: it runs on every node, where starting Python from
@@ -90,7 +90,9 @@ def clean(folder=None, dry_run=False):
         return clean_roots(dry_run)
     if not per_node(folder):
         return clean_stage(folder, dry_run)
-    count = int(_os.environ.get("MPISTAGE_EMULATE_NODES") or 1)
+    from mpistage.cli.launchers import emulated
+
+    count = emulated() or 1
     found = []
     for node in range(count):
         path = node_dir(folder, node)
@@ -107,9 +109,9 @@ def clean(folder=None, dry_run=False):
 
 def clean_roots(dry_run=False):
     """Remove this user's stale staging roots on this host; return their paths."""
-    from mpistage.runtime.cleanup import user_dirs
+    from mpistage.node.cleanup import user_dirs
+    from mpistage.node.place import candidates, open_safe
     from mpistage.runtime.envreap import reap
-    from mpistage.runtime.place import candidates, open_safe
 
     found = []
     for candidate in candidates():
@@ -128,8 +130,8 @@ def clean_roots(dry_run=False):
 
 def clean_user_dir(candidate_fd, path, name, dry_run):
     """Remove the stale roots in one of this user's directories; return their paths."""
-    from mpistage.runtime.cleanup import remove_entry, stale_roots
-    from mpistage.runtime.place import DIR_FLAGS, check_own
+    from mpistage.node.cleanup import remove_entry, stale_roots
+    from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
         fd = _os.open(name, DIR_FLAGS, dir_fd=candidate_fd)
@@ -156,9 +158,9 @@ def clean_user_dir(candidate_fd, path, name, dry_run):
 
 def clean_stage(folder, dry_run=False):
     """Remove an environment staged by ``mpistage stage`` into *folder*."""
-    from mpistage.runtime.cleanup import remove
+    from mpistage.node.cleanup import remove
+    from mpistage.node.place import target_dir
     from mpistage.runtime.envreap import read_marker
-    from mpistage.runtime.place import target_dir
 
     if _os.path.islink(folder) or not _os.path.isdir(folder):
         raise StageError(f"{folder!r} is not a directory")
@@ -175,9 +177,9 @@ def clean_stage(folder, dry_run=False):
 
 def parser():
     """Return the argument parser of ``mpistage clean``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage clean",
         description="Remove this user's staging roots of jobs that have ended, "
         "or, given DIR, an environment staged there (run it once per node).",

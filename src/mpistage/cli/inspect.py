@@ -3,9 +3,9 @@
 
 def parser():
     """Return the argument parser of ``mpistage inspect``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage inspect", description="Summarize a .mpistage bundle."
     )
     p.add_argument("bundle")

@@ -122,8 +122,9 @@ def find_python(command):
 
 def emulated():
     """The number of emulated nodes (``MPISTAGE_EMULATE_NODES``), else 0."""
-    value = _os.environ.get("MPISTAGE_EMULATE_NODES", "").strip()
-    return int(value) if value.isdigit() else 0
+    from mpistage.settings import get
+
+    return get("MPISTAGE_EMULATE_NODES") or 0
 
 
 class Launch:

@@ -1,12 +1,13 @@
 """``mpistage pack``: the command line of :func:`mpistage.pack`."""
 
-import argparse as _argparse
 import sys as _sys
+
+from mpistage.cli import argument_parser
 
 
 def parser():
     """Return the argument parser of ``mpistage pack``."""
-    p = _argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage pack",
         description="Bundle importable packages, sys.path directories or a "
         "whole environment into one .mpistage file.",

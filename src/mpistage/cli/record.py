@@ -9,9 +9,9 @@ bundle from the union of what they used.
 
 def parser():
     """Return the argument parser of ``mpistage record``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage record",
         description="Run a command once and bundle what its Python processes used.",
         usage="mpistage record -o OUT.mpistage [--granularity package|file] "

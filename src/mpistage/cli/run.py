@@ -43,11 +43,11 @@ from mpistage.runtime.stager import NODE, node_dir, per_node
 
 def parser():
     """Return the argument parser of ``mpistage run``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage run",
-        usage="mpistage run --env BUNDLE [--to DIR] [--keep] "
+        usage="mpistage run --env BUNDLE [--to DIR] [--keep] [--trust] "
         "-- LAUNCHER [ARG ...] python [APP ARG ...]",
         description="Stage an environment bundle once per node, run the "
         "command from it, and clean up: the launches as one command.",
@@ -60,6 +60,12 @@ def parser():
         "{node} becomes the node index)",
     )
     p.add_argument("--keep", action="store_true", help="keep DIR after the run")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="run the bundle even if its environment changed since pack --env "
+        "(refused by default: the bundle is a snapshot)",
+    )
     p.add_argument(
         "--stage-launcher",
         metavar="CMD",
@@ -75,10 +81,27 @@ def main(argv):
     args = parser().parse_args(argv)
     plan = Plan(args)
     outer = plan.launch.allocation()
+    if outer is None and not args.trust:
+        check_fresh(plan.bundle, args.env)  # else the run inside salloc checks
     with Signals() as signals:
         if outer is not None:
             return in_allocation(outer, argv, signals, plan.launch.step_environ())
         return Steps(plan, signals).run()
+
+
+def check_fresh(bundle, name):
+    """Refuse an environment bundle whose environment changed since it was packed.
+
+    Here, once, in the process that launches the job: the manifest, a stat
+    per watched directory (:mod:`mpistage.runtime.envfresh`). The stage
+    step then skips the check (``--trust``).
+    """
+    from mpistage.runtime.envfresh import verdict
+    from mpistage.runtime.read import read_manifest
+
+    found = verdict(name, read_manifest(bundle))
+    if found:
+        raise StageError(found)
 
 
 class Plan:
@@ -105,6 +128,7 @@ class Plan:
     def stage_command(self):
         """``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``."""
         stage = ["stage", self.bundle, "--to", self.folder, "--token", self.token]
+        stage.append("--trust")  # checked once, by mpistage run (check_fresh)
         entry = command_beside(self.launch.python)
         return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 
@@ -211,7 +235,7 @@ def node_index(nodes):
     Emulated nodes are contiguous rank blocks, as in
     :mod:`mpistage.runtime.topology`.
     """
-    from mpistage.runtime.topology import RANK_VARS, SIZE_VARS
+    from mpistage.node.launch import RANK_VARS, SIZE_VARS
 
     rank, size = first_set(RANK_VARS, "0"), first_set(SIZE_VARS, "1")
     return f"$(({rank} * {nodes} / {size}))"
@@ -248,7 +272,8 @@ class Steps:
         if status:
             return 1
         env = plan.run_environ()
-        return self.step(plan.run_command(env), "run", env)
+        status = self.step(plan.run_command(env), "run", env)
+        return self.interrupted("run") if self.signals.received else status
 
     def stage(self):
         """Run the stage step's launches in turn; return the first failure's status."""
@@ -290,7 +315,12 @@ class Steps:
         return not status
 
     def step(self, command, name, env=None, forward=True):
-        """Run one launch, passing SIGINT and SIGTERM on; return its status."""
+        """Run one launch, passing SIGINT and SIGTERM on; return its status.
+
+        The run step gets SIGTERM for either: launchers pass it to the ranks,
+        which then end without a Python traceback (SIGINT would make each
+        rank print its ``KeyboardInterrupt``, and Hydra its own banner).
+        """
         if name != "clean" and self.signals.received:
             return 128 + self.signals.received
         try:
@@ -299,7 +329,8 @@ class Steps:
             raise StageError(
                 f"cannot start the {name} step {command[0]!r}: {exc.strerror}"
             ) from None
-        with self.signals.passing_to(child if forward else None):
+        send = _signal.SIGTERM if name == "run" else None
+        with self.signals.passing_to(child if forward else None, send=send):
             return exit_status(child.wait())
 
 
@@ -347,7 +378,7 @@ class Signals:
     SIGNALS = (_signal.SIGINT, _signal.SIGTERM)
 
     def __init__(self):
-        self.received, self.saved, self.targets = None, {}, None
+        self.received, self.saved, self.targets, self.send = None, {}, None, None
 
     def __enter__(self):
         for sig in self.SIGNALS:
@@ -364,36 +395,39 @@ class Signals:
         self.forward(signum)
 
     def forward(self, signum):
-        """Send *signum* to the running step, if it takes signals."""
+        """Send *signum* (or the step's own choice) to the running step, if any."""
         for pid in self.targets() if self.targets else ():
             try:
-                _os.kill(pid, signum)
+                _os.kill(pid, self.send or signum)
             except ProcessLookupError:
                 pass
 
-    def passing_to(self, child, targets=None):
-        """A context in which signals go to *child* (or to ``targets()``)."""
-        return Passing(self, child, targets)
+    def passing_to(self, child, targets=None, send=None):
+        """A context in which signals go to *child* (or to ``targets()``).
+
+        *send*, if given, is the signal passed on instead of the one received.
+        """
+        return Passing(self, child, targets, send)
 
 
 class Passing:
     """Signals pass to one child for the time of a ``with`` block."""
 
-    def __init__(self, signals, child, targets):
-        self.signals = signals
+    def __init__(self, signals, child, targets, send=None):
+        self.signals, self.send = signals, send
         if child is not None:
             self.targets = targets or (lambda: [child.pid])
         else:
             self.targets = None
 
     def __enter__(self):
-        self.signals.targets = self.targets
+        self.signals.targets, self.signals.send = self.targets, self.send
         if self.targets and self.signals.received:
             self.signals.forward(self.signals.received)  # came while starting it
         return self
 
     def __exit__(self, *exc):
-        self.signals.targets = None
+        self.signals.targets = self.signals.send = None
 
 
 def exit_status(returncode):
@@ -417,15 +451,14 @@ def default_dir():
     The pid of this ``mpistage run`` tells two runs of one job apart: each
     stages and removes its own copy, and neither waits for the other. The
     random part makes the name private, as a staging root's fallback is
-    (:func:`mpistage.runtime.place.private_dir`): another user cannot make
+    (:func:`mpistage.node.place.private_dir`): another user cannot make
     it first and so stop the job.
     """
-    from mpistage.runtime.topology import job_id
+    from mpistage.node.launch import job_id
+    from mpistage.node.place import RAM_DISK
 
     job = f"{job_id()}.{_os.getpid()}" if job_id() else str(_os.getpid())
     job += "." + _os.urandom(6).hex()
-    base = (
-        "/dev/shm" if _os.path.isdir("/dev/shm") else _os.environ.get("TMPDIR", "/tmp")
-    )
+    base = RAM_DISK if _os.path.isdir(RAM_DISK) else _os.environ.get("TMPDIR", "/tmp")
     folder = f"{base}/mpistage-env-{_os.getuid()}-{job}"
     return f"{folder}/n{NODE}" if emulated() else folder

@@ -4,7 +4,7 @@
 
     from mpistage import data
     with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
-        digest = hashlib.sha256(buf.view).hexdigest()
+        digest = hashlib.sha256(buf).hexdigest()  # bytes-like, read-only
     weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
 
 Both calls are collective over *comm* and run the same steps on every rank
@@ -34,6 +34,8 @@ job. The node's memory is freed once no rank of the node holds a view of it
 any more: at :meth:`SharedBuffer.close`, at a later call of this module on
 the same ranks, or at interpreter exit, always before MPI is finalized.
 """
+
+import sys as _sys
 
 __all__ = ["SharedArray", "SharedBuffer", "load", "read"]  # noqa: F822 (lazy)
 
@@ -115,11 +117,22 @@ def __getattr__(name):
     raise AttributeError(f"module 'mpistage.data' has no attribute {name!r}")
 
 
-class SharedBuffer:
+def _exporting():
+    """The base of :class:`SharedBuffer`: one that exports a buffer (before 3.12)."""
+    if _sys.version_info >= (3, 12):
+        return object  # __buffer__ does it
+    from mpistage.data.exports import exporter
+
+    return exporter()
+
+
+class SharedBuffer(_exporting()):
     """The bytes of one file: this node's read-only copy, in MPI shared memory.
 
-    :attr:`view` is a read-only memoryview (format ``'B'``) of memory that
-    every rank of the node maps. :meth:`close` is collective; ``with``
+    It is bytes-like: ``bytes(buf)``, ``hashlib.sha256(buf)``,
+    ``numpy.frombuffer(buf)`` read the copy, read-only, on every supported
+    Python. :attr:`view` is a read-only memoryview (format ``'B'``) of memory
+    that every rank of the node maps. :meth:`close` is collective; ``with``
     closes at the end of the block. Views taken from :attr:`view` stay
     valid after that: the node's memory is freed only once no rank of the
     node holds any view of it. :attr:`seconds` holds this rank's time in
@@ -143,6 +156,10 @@ class SharedBuffer:
     def __buffer__(self, flags):
         """Export :attr:`view` (Python 3.12+: ``memoryview(buf)``, ``bytes(buf)``)."""
         return self.view.__buffer__(flags)
+
+    def _export(self):
+        """What the buffer slot exports before Python 3.12 (:mod:`.exports`)."""
+        return self.view
 
     def close(self):
         """Let go of the node's copy; collective over the ranks of the node.

@@ -255,6 +255,8 @@ def node_room():
     MPICH backs shared windows with files in /dev/shm, a tmpfs that may be
     smaller than the memory; touching a page past its limit kills with SIGBUS.
     """
+    from mpistage.node.place import RAM_DISK
+
     rooms = []
     try:
         with open("/proc/meminfo") as f:
@@ -265,8 +267,8 @@ def node_room():
     except (OSError, StopIteration, ValueError):
         pass  # no /proc (not Linux): nothing to check against
     try:
-        st = _os.statvfs("/dev/shm")
-        rooms.append((st.f_bavail * st.f_frsize, "free space in /dev/shm"))
+        st = _os.statvfs(RAM_DISK)
+        rooms.append((st.f_bavail * st.f_frsize, f"free space in {RAM_DISK}"))
     except OSError:
         pass
     return min(rooms, default=(None, None))

@@ -54,10 +54,11 @@ KEY_DIGITS = 24  # hex digits of a cache key: 96 bits, no two targets alike
 
 def cache_dir(option=None):
     """Return the cache directory: option, ``MPISTAGE_CACHE_DIR`` or XDG."""
+    from mpistage.settings import get
+
+    option = option or get("MPISTAGE_CACHE_DIR")
     if option:
         return _os.path.abspath(option)
-    if _os.environ.get("MPISTAGE_CACHE_DIR"):
-        return _os.path.abspath(_os.environ["MPISTAGE_CACHE_DIR"])
     base = _os.environ.get("XDG_CACHE_HOME") or _os.path.expanduser("~/.cache")
     return _os.path.join(base, "mpistage")
 
@@ -98,14 +99,14 @@ def open_cache(folder, create=False):
     """Open the cache directory *folder* as a private place; return its descriptor.
 
     Its bundles are code this user runs, so it follows the rule of a
-    staging root (:func:`mpistage.runtime.place.open_safe`): every
+    staging root (:func:`mpistage.node.place.open_safe`): every
     directory on the way, as given and as resolved, is root's or ours and
     not writable by others unless sticky, a symlink on the way is ours or
     root's; the cache itself is ours, not writable by others, and made
     0700 (group and others lose any access). With *create*, missing
     directories are made, 0700.
     """
-    from mpistage.runtime.place import check_own, open_safe
+    from mpistage.node.place import check_own, open_safe
 
     try:
         _real, fd = open_safe(folder, create=create)
@@ -608,7 +609,7 @@ def module_files(skip=()):
 
 def originals(paths):
     """Return *paths* with the node boot's copies named by their originals."""
-    boot = _sys.modules.get("mpistage.nodeboot")
+    boot = _sys.modules.get("mpistage.node.boot")
     return {boot.original(p) for p in paths} if boot is not None else set(paths)
 
 

@@ -13,9 +13,7 @@ leader to stage must not take CPU from that leader, which matters when ranks
 outnumber cores, as in emulated-node tests and benchmarks on one machine.
 """
 
-import time as _time
-
-from mpistage import StageError
+from mpistage import Backoff, StageError
 
 POLL_MIN = 0.00005  # seconds between the first polls: a fast step loses little
 POLL_MAX = 0.002  # seconds between later polls: a waiting rank takes no CPU
@@ -23,10 +21,9 @@ POLL_MAX = 0.002  # seconds between later polls: a waiting rank takes no CPU
 
 def wait(request):
     """Complete *request*, sleeping between polls (50 µs growing to 2 ms)."""
-    pause = POLL_MIN
+    pauses = Backoff(POLL_MIN, POLL_MAX)
     while not request.Test():
-        _time.sleep(pause)
-        pause = min(pause * 2, POLL_MAX)
+        pauses.sleep()
 
 
 def barrier(comm):

@@ -80,7 +80,7 @@ def extract_here(buf, bundle, folder, claim, owner):
 
 def mark_claim(claim, buf):
     """Give the claim an owner record: the next launch reaps it if we die."""
-    from mpistage.runtime.place import DIR_FLAGS
+    from mpistage.node.place import DIR_FLAGS
     from mpistage.runtime.stager import manifest_digest, write_marker
 
     fd = _os.open(claim, DIR_FLAGS)
@@ -102,7 +102,7 @@ def checked_manifest(buf, bundle, check_kind, verify):
 
 def mark_failed(root, buf):
     """Empty a failed ``DIR`` and mark it, so that the reaper can judge it."""
-    from mpistage.runtime.cleanup import empty
+    from mpistage.node.cleanup import empty
     from mpistage.runtime.stager import manifest_digest, write_marker
 
     try:
@@ -125,7 +125,7 @@ def failed(claim, line):
 
 def write_file(claim, name, text):
     """Write *text* to *name* in the claim directory, atomically, no symlink."""
-    from mpistage.runtime.place import DIR_FLAGS
+    from mpistage.node.place import DIR_FLAGS
 
     fd = _os.open(claim, DIR_FLAGS)
     try:

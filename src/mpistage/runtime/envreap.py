@@ -29,26 +29,27 @@ FINAL = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL
 
 def read_marker(fd):
     """Return the stage marker of the directory open as *fd* (``{}`` if none)."""
-    from mpistage.runtime.place import read_fields
+    from mpistage.node.place import read_fields
 
     return read_fields(fd, MARKER)
 
 
 def owner_fields():
     """The owner fields of a stage marker made by this process."""
-    from mpistage.runtime.topology import job_id
+    from mpistage.node.launch import job_id
+    from mpistage.settings import get
 
     return {
         "host": _os.uname().nodename,
         "job": job_id() or "",
-        "run": _os.environ.get("MPISTAGE_RUN_OWNER", ""),
-        "keep": _os.environ.get("MPISTAGE_RUN_KEEP", ""),
+        "run": get("MPISTAGE_RUN_OWNER"),
+        "keep": get("MPISTAGE_RUN_KEEP"),
     }
 
 
 def dead(marker, kept_too=False):
     """Whether the stage with *marker* belongs to nothing that still runs here."""
-    from mpistage.runtime.cleanup import alive
+    from mpistage.node.cleanup import alive
 
     if marker.get("host") != _os.uname().nodename:
         return False
@@ -110,7 +111,7 @@ def default_names(fd):
 
 def stale(fd, name, kept_too=False):
     """Return the inode of the stage *name* below *fd* if it is dead, else ``None``."""
-    from mpistage.runtime.place import DIR_FLAGS, check_own
+    from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
         stage_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
@@ -129,7 +130,7 @@ def stale(fd, name, kept_too=False):
 
 def reap(fd, skip=(), kept_too=False, dry_run=False):
     """Remove the dead default-named stages in the directory *fd*; return them."""
-    from mpistage.runtime.cleanup import remove_entry
+    from mpistage.node.cleanup import remove_entry
 
     found = []
     names = default_names(fd)
@@ -168,7 +169,7 @@ def orphan_claims(fd, names, skip):
 
 def remove_if_same(fd, name, ino):
     """Remove *name* below *fd* if it is still the directory judged (inode *ino*)."""
-    from mpistage.runtime.cleanup import remove_entry
+    from mpistage.node.cleanup import remove_entry
 
     try:
         same = _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
@@ -183,7 +184,7 @@ def remove_inputs(fd, name, remove_entry):
 
     That is a directory of ours, no symlink, with a stage marker of ours.
     """
-    from mpistage.runtime.place import DIR_FLAGS, check_own
+    from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
         inputs_fd = _os.open(name + ".in", DIR_FLAGS, dir_fd=fd)

@@ -71,7 +71,7 @@ class Dirs:
 
     def open(self, parent_fd, name, rel):
         """Create (if needed) and open one directory, refusing a symlink."""
-        from mpistage.runtime.place import DIR_FLAGS
+        from mpistage.node.place import DIR_FLAGS
 
         try:
             _os.mkdir(name, 0o700, dir_fd=parent_fd)

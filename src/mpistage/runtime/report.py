@@ -112,7 +112,7 @@ def local_facts(session, seconds, watch=None):
 
 def start_facts():
     """Return how this rank imported mpi4py (the node boot), or None if it did not."""
-    boot = _sys.modules.get("mpistage.nodeboot")
+    boot = _sys.modules.get("mpistage.node.boot")
     return boot.facts() if boot is not None else None
 
 
@@ -290,9 +290,11 @@ def hint(ranks_that_missed, size):
 
 def emit(report, show):
     """Print the report if *show*; write JSON to ``MPISTAGE_REPORT`` if set."""
+    from mpistage.settings import get
+
     if show:
         print(render(report), file=_sys.stderr, flush=True)
-    path = _os.environ.get("MPISTAGE_REPORT")
+    path = get("MPISTAGE_REPORT")
     if path:
         try:
             write_json(path, report)

@@ -12,7 +12,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
-from mpistage import COMMANDS, StageError, preload
+from mpistage import COMMANDS, StageError, preload, read_fd, settings
 from mpistage.runtime.validate import MODES
 
 USAGE = """\
@@ -37,15 +37,11 @@ options:
   --version       print the version and exit
   -h, --help      show this help and exit
 
-environment: MPISTAGE_BUNDLE, MPISTAGE_STAGE_DIR, MPISTAGE_STAGE_FALLBACK,
-MPISTAGE_EMULATE_NODES, MPISTAGE_REPORT (write the report as JSON),
-MPISTAGE_CACHE_DIR, MPISTAGE_LIVE=no (no live imports without a bundle),
-MPISTAGE_LIVE_WAIT (seconds a live request waits, default 5),
-MPISTAGE_BOOT=no, MPISTAGE_BOOT_WAIT (seconds, default 300).
+environment:
+%s
 
 tools: mpistage {%s} --help"""
 
-USAGE %= ",".join(COMMANDS)
 FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
 VALUED = ("--bundle", "--cache-dir", "--validate")
 SWITCHES = ("--keep", "--report", "--auto")
@@ -65,16 +61,20 @@ class Options:
 def usage():
     """Return the usage, named as the user started the runner."""
     main = _sys.argv[0].endswith("__main__.py")
-    return USAGE.replace("PROG", "python -m mpistage" if main else "mpistage")
+    text = USAGE % ("\n".join(settings.help_lines()), ",".join(COMMANDS))
+    return text.replace("PROG", "python -m mpistage" if main else "mpistage")
 
 
-def usage_error(message):
-    """Print *message* and the usage once (first rank), exit 1 on all ranks."""
-    from mpistage.runtime.topology import launcher_rank
+def usage_error(message, text=None):
+    """Print *message* and the usage once (first rank), exit 2 on all ranks.
+
+    Status 2 is every mpistage command's for a usage error (docs/api.md).
+    """
+    from mpistage.node.launch import launcher_rank
 
     if launcher_rank() == 0:
-        print(f"mpistage: error: {message}\n{usage()}", file=_sys.stderr)
-    _sys.exit(1)
+        print(f"mpistage: error: {message}\n{text or usage()}", file=_sys.stderr)
+    _sys.exit(2)
 
 
 def parse(argv):
@@ -91,7 +91,7 @@ def parse(argv):
     if options.auto and options.bundle:
         usage_error("--auto and --bundle exclude each other")
     if not options.auto:
-        options.bundle = options.bundle or _os.environ.get("MPISTAGE_BUNDLE") or None
+        options.bundle = options.bundle or settings.get("MPISTAGE_BUNDLE")
     return options, args
 
 
@@ -138,7 +138,7 @@ class Runner:
 
     def start(self):
         """Check the target, find the nodes, stage (or, with ``--auto``, record)."""
-        from mpistage.runtime.cleanup import at_finalize
+        from mpistage.node.cleanup import at_finalize
         from mpistage.runtime.collective import attempt
         from mpistage.runtime.topology import discover
 
@@ -200,7 +200,7 @@ class Runner:
 
     def reporting(self):
         """Whether a report was asked for (``--report`` or ``MPISTAGE_REPORT``)."""
-        return bool(self.options.report or _os.environ.get("MPISTAGE_REPORT"))
+        return bool(self.options.report or settings.get("MPISTAGE_REPORT"))
 
     def check_target(self):
         """Rank 0: refuse a missing script or an unwritable report, before anything.
@@ -214,7 +214,7 @@ class Runner:
             raise StageError(f"can't open file {script!r}: no such file")
         from mpistage.runtime.report import check_writable
 
-        check_writable(_os.environ.get("MPISTAGE_REPORT"))
+        check_writable(settings.get("MPISTAGE_REPORT"))
 
     def auto_bundle(self):
         """Return the ``--auto`` cache's bundle path for this target (agreed)."""
@@ -236,7 +236,9 @@ class Runner:
         from mpistage.runtime.collective import attempt
 
         session, rank0 = self.session, self.world.rank == 0
-        buf, manifest, verdict = attempt(
+        buf, manifest, verdict = session.timed(  # the report's read step
+            "read",
+            attempt,
             self.world,
             lambda: (
                 auto.read_cached(session.bundle, session.staleness)
@@ -260,7 +262,7 @@ class Runner:
         """
         if not live_wanted(self.world):
             return
-        preload(self.world, "mpistage", ("nodeelf",))  # the reader's ELF reader
+        preload(self.world, "mpistage.node", ("elf",))  # the reader's ELF reader
         preload(self.world, "mpistage.runtime.live")  # read only when used
         from mpistage.runtime.live import LiveSession
 
@@ -414,17 +416,27 @@ def run_script(path):
     """
     from mpistage.runtime.finders import MAGIC_NUMBER
 
-    try:
-        with open(path, "rb") as f:
-            source = f.read()
-    except OSError:
-        source = None
+    source = read_script(path)
     if source is None or source[:4] == MAGIC_NUMBER or is_zip(source):
         import runpy
 
         runpy.run_path(path, run_name="__main__")
         return
     run_main(compile(source, path, "exec", dont_inherit=True), path)
+
+
+def read_script(path):
+    """The bytes of the file *path*, read for its size; ``None`` if not a file."""
+    try:
+        fd = _os.open(path, _os.O_RDONLY | _os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return read_fd(fd, _os.fstat(fd).st_size)
+    except OSError:
+        return None  # A directory: ``runpy`` runs it as plain python does.
+    finally:
+        _os.close(fd)
 
 
 def run_main(code, path):
@@ -496,10 +508,9 @@ def live_wanted(world):
     """Whether to serve imports live: ``MPISTAGE_LIVE`` on rank 0 (agreed)."""
     from mpistage.runtime.broadcast import share
     from mpistage.runtime.collective import attempt
-    from mpistage.runtime.place import flag
 
     value = attempt(
-        world, lambda: flag("MPISTAGE_LIVE", True) if world.rank == 0 else None
+        world, lambda: settings.get("MPISTAGE_LIVE") if world.rank == 0 else None
     )
     return share(world, value)
 

@@ -23,7 +23,7 @@ import os as _os
 import time as _time
 
 from mpistage import StageError
-from mpistage.runtime.cleanup import at_finalize
+from mpistage.node.cleanup import at_finalize
 from mpistage.runtime.collective import attempt, barrier
 
 
@@ -92,9 +92,9 @@ class Session:
 
     def spread(self, buf, manifest):
         """Broadcast, extract and activate a bundle rank 0 has read."""
+        from mpistage.node.place import job_tag
         from mpistage.runtime import stage
         from mpistage.runtime.activate import activate
-        from mpistage.runtime.place import job_tag
 
         topo = self.topology
         tag = self.comm.bcast(job_tag() if self.comm.rank == 0 else None, root=0)
@@ -140,7 +140,7 @@ class Session:
 
     def remove(self):
         """The leader removes its node's copy (unless kept); no MPI needed."""
-        from mpistage.runtime.cleanup import release
+        from mpistage.node.cleanup import release
 
         root = self.staged.root if self.staged else None
         if root is not None and not self.keep:
@@ -159,7 +159,7 @@ class Session:
         Best effort: what cannot be removed now, the leader's watchdog removes
         when the job is gone.
         """
-        from mpistage.runtime.cleanup import release, remove_path
+        from mpistage.node.cleanup import release, remove_path
 
         self.closed = True
         if self.staged is None or self.keep or self.forked:

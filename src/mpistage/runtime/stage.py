@@ -3,7 +3,7 @@
 "Stage" means this, everywhere in mpistage: rank 0 reads the bundle and
 checks it (:mod:`~mpistage.runtime.read`), the bytes go to one leader per
 node (:mod:`~mpistage.runtime.broadcast`), each leader extracts them into a
-safe directory (:mod:`~mpistage.runtime.place`,
+safe directory (:mod:`~mpistage.node.place`,
 :mod:`~mpistage.runtime.extract`), and every rank agrees on each step. The
 runner, :func:`mpistage.staged` and ``mpistage stage`` all call
 :func:`stage`; they differ only in where the copy goes (a *place*).
@@ -33,7 +33,7 @@ class Place:
     """
 
     def make(self, buf, footprint):
-        """Return a :class:`~mpistage.runtime.place.StagingDir` for the bundle *buf*."""
+        """Return a :class:`~mpistage.node.place.StagingDir` for the bundle *buf*."""
         raise NotImplementedError
 
     def retry(self, root):
@@ -51,7 +51,7 @@ class Place:
 class JobPlace(Place):
     """The runner's place: a fresh per-job root in the first usable candidate.
 
-    The root is guarded (:mod:`~mpistage.runtime.cleanup`) as soon as it
+    The root is guarded (:mod:`~mpistage.node.cleanup`) as soon as it
     exists, before its owner record and the first member are written. A
     candidate that fills up while the bundle is written is passed over and
     the next one tried. With *keep*, the root outlives the job.
@@ -62,8 +62,8 @@ class JobPlace(Place):
 
     def make(self, buf, footprint):
         """Create, guard and return this node's staging root."""
-        from mpistage.runtime.cleanup import guard, reap_dead_roots
-        from mpistage.runtime.place import make_root, write_owner
+        from mpistage.node.cleanup import guard, reap_dead_roots
+        from mpistage.node.place import make_root, write_owner
 
         root = make_root(
             self.tag, self.node, footprint, skip=self.full, reap=reap_dead_roots
@@ -79,8 +79,8 @@ class JobPlace(Place):
 
     def done(self, root, buf):
         """A kept root is no longer guarded, and says so for ``mpistage clean``."""
-        from mpistage.runtime.cleanup import disarm
-        from mpistage.runtime.place import mark_kept
+        from mpistage.node.cleanup import disarm
+        from mpistage.node.place import mark_kept
 
         if self.keep:
             disarm(root)
@@ -88,7 +88,7 @@ class JobPlace(Place):
 
     def discard(self, root):
         """Remove a failed or unused job root."""
-        from mpistage.runtime.cleanup import release
+        from mpistage.node.cleanup import release
 
         release(root)
 
@@ -173,7 +173,12 @@ def leader_extract(topo, buf, manifest, place, name, holder):
         return
 
 
-def stage(topo, path, place, kind="packages"):
-    """Read, check, broadcast and extract the bundle at *path*; return Staged."""
-    buf, manifest, _ = read(topo.world, path, kind)
+def stage(topo, path, place, kind="packages", check=None):
+    """Read, check, broadcast and extract the bundle at *path*; return Staged.
+
+    *check*, as for :func:`read`: a verdict it returns is raised on every rank.
+    """
+    buf, manifest, verdict = read(topo.world, path, kind, check)
+    if verdict:
+        raise StageError(verdict)
     return distribute(topo, buf, manifest, place, path)

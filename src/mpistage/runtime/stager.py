@@ -8,7 +8,7 @@ leader per node, and each leader extracts them into ``DIR`` (``{node}`` in
 ``DIR`` becomes the node's index, for emulated nodes on one machine). Then
 ``DIR/bin/python`` runs with everything node-local.
 
-``DIR`` follows the safe-directory rule of :mod:`mpistage.runtime.place`. A
+``DIR`` follows the safe-directory rule of :mod:`mpistage.node.place`. A
 non-empty ``DIR`` is refused unless it is a stage of the same bundle: a
 complete one is reused as it is, an interrupted one is refused with the
 hint to clean it (``mpistage clean DIR``). Like the runner, the stager runs
@@ -26,15 +26,16 @@ from mpistage.runtime.stage import Place
 # What a node-side extraction imports (the Slurm stage step's extractor,
 # mpistage-env's), as paths below the package: they travel with it.
 NODE_MODULES = (
-    "__init__", "runtime/__init__", "runtime/bundlefile", "runtime/read",
-    "runtime/extract", "runtime/place", "runtime/roots", "runtime/stager",
-    "runtime/stage", "runtime/collective", "runtime/broadcast", "runtime/cleanup",
-    "runtime/envreap", "runtime/topology",
+    "__init__", "settings", "node/__init__", "node/launch", "node/place",
+    "node/cleanup", "runtime/__init__", "runtime/bundlefile", "runtime/read",
+    "runtime/extract", "runtime/roots", "runtime/stager", "runtime/stage",
+    "runtime/collective", "runtime/broadcast", "runtime/envreap",
+    "runtime/topology",
 )  # fmt: skip
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine
 UNSET = ("PYTHONHOME", "PYTHONPATH")  # a staged environment is a plain prefix
 USAGE = """\
-usage: mpistage stage BUNDLE --to DIR [--print-env] [--token TOKEN]
+usage: mpistage stage BUNDLE --to DIR [--print-env] [--token TOKEN] [--trust]
 
 Unpack an environment bundle (mpistage pack --env) into node-local DIR, once
 per node; run it under mpiexec, srun or flux run.
@@ -42,12 +43,15 @@ per node; run it under mpiexec, srun or flux run.
   --to DIR      node-local directory ({node} becomes the node index)
   --print-env   print only the shell lines that put it to use, for eval
   --token TOKEN the token of the `mpistage run` this stage step is part of:
-                a DIR this step makes is marked with it, for its clean step"""
+                a DIR this step makes is marked with it, for its clean step
+  --trust       stage the bundle even if the environment it was packed from
+                changed since (it is a snapshot; by default that is refused)"""
 
 
 def parse(argv):
-    """Return (bundle, DIR, print_env, token) from *argv*."""
+    """Return (bundle, DIR, print_env, token, trust) from *argv*."""
     args, bundle, folder, print_env, token = list(argv), None, None, False, ""
+    trust = False
     while args:
         arg = args.pop(0)
         opt, eq, value = arg.partition("=")
@@ -58,15 +62,17 @@ def parse(argv):
             folder = value if eq else (args.pop(0) if args else None)
         elif arg == "--print-env":
             print_env = True
+        elif arg == "--trust":
+            trust = True
         elif opt == "--token":
             token = value if eq else (args.pop(0) if args else "")
         elif arg.startswith("-") or bundle is not None:
-            raise StageError(f"stage: unexpected argument {arg!r}\n{USAGE}")
+            usage_error(f"stage: unexpected argument {arg!r}")
         else:
             bundle = arg
     if not bundle or not folder:
-        raise StageError(f"stage: give BUNDLE and --to DIR\n{USAGE}")
-    return bundle, folder, print_env, token
+        usage_error("stage: give BUNDLE and --to DIR")
+    return bundle, folder, print_env, token, trust
 
 
 def manifest_digest(buf):
@@ -106,7 +112,7 @@ class TargetPlace(Place):
         marker is written (a refusal, SIGINT): no clean step could tell it
         from a directory of someone else's.
         """
-        from mpistage.runtime.place import target_dir
+        from mpistage.node.place import target_dir
 
         root = target_dir(self.folder)
         try:
@@ -117,7 +123,7 @@ class TargetPlace(Place):
 
     def claim(self, root, buf, footprint):
         """Reuse ``DIR``'s stage of this bundle, or mark it as being staged."""
-        from mpistage.runtime.place import room
+        from mpistage.node.place import room
 
         reap_beside(root)
         digest = manifest_digest(buf)
@@ -149,7 +155,7 @@ class TargetPlace(Place):
 
     def discard(self, root):
         """Undo a failed stage: remove a ``DIR`` it made, else empty it."""
-        from mpistage.runtime.cleanup import empty, remove
+        from mpistage.node.cleanup import empty, remove
 
         if root.reused:
             root.close()
@@ -195,7 +201,7 @@ def reap_beside(root):
 
 def emptied_if_dead(root, marker):
     """Empty ``DIR`` if it holds a stage of a job that ended here; whether it did."""
-    from mpistage.runtime.cleanup import empty
+    from mpistage.node.cleanup import empty
     from mpistage.runtime.envreap import dead
 
     if not marker or not dead(marker):
@@ -222,8 +228,8 @@ def write_marker(fd, digest, state, marks=None):
 
     *marks* are the maker's fields (:func:`made_fields`).
     """
+    from mpistage.node.place import write_fields
     from mpistage.runtime.envreap import owner_fields
-    from mpistage.runtime.place import write_fields
 
     tmp = f"{MARKER}.{_os.getpid()}"
     fields = {"sha256": digest, "state": state, **owner_fields(), **(marks or {})}
@@ -266,20 +272,33 @@ def env_lines(folder, manifest):
     return [*lines, "export PYTHONNOUSERSITE=1", f"unset {' '.join(UNSET)}"]
 
 
-def stage_env(world, bundle, template, token=""):
-    """Stage the environment *bundle* on every node; return (DIR, manifest, reused)."""
+def stage_env(world, bundle, template, token="", trust=False):
+    """Stage the environment *bundle* on every node; return (DIR, manifest, reused).
+
+    Unless *trust*, rank 0 first checks that the environment the bundle was
+    packed from has not changed since (:mod:`mpistage.runtime.envfresh`).
+    """
     from mpistage.runtime import stage
     from mpistage.runtime.collective import attempt
     from mpistage.runtime.topology import discover
 
     topo = attempt(world, discover, world)
     folder = node_dir(template, topo.index)
-    staged = stage.stage(topo, bundle, TargetPlace(folder, token), kind="env")
+    check = None if trust else lambda manifest: fresh_verdict(bundle, manifest)
+    place = TargetPlace(folder, token)
+    staged = stage.stage(topo, bundle, place, kind="env", check=check)
     reused = staged.root.reused if staged.root else None
     reused = world.gather(reused, root=0)
     if staged.root is not None:
         staged.root.close()
     return folder, staged.manifest, reused
+
+
+def fresh_verdict(bundle, manifest):
+    """Rank 0: the refusal of a stale environment bundle, or ``None``."""
+    from mpistage.runtime.envfresh import verdict
+
+    return verdict(bundle, manifest)
 
 
 def stage_here(bundle, folder, token=""):
@@ -341,11 +360,18 @@ def summary(bundle, template, reused, out=1, err=2):
     return line + ("; to use it:" if same else "")
 
 
+def usage_error(message):
+    """A usage error: one line and the usage, exit status 2 (as every command)."""
+    from mpistage.runtime.runner import usage_error
+
+    usage_error(message, USAGE)
+
+
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     try:
-        bundle, template, print_env, token = parse(argv)
-        folder, manifest, reused = stage_env(world, bundle, template, token)
+        bundle, template, print_env, token, trust = parse(argv)
+        folder, manifest, reused = stage_env(world, bundle, template, token, trust)
     except StageError as exc:
         if world.rank == 0:
             print(f"mpistage: error: {exc}", file=_sys.stderr, flush=True)

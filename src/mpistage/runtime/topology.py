@@ -16,33 +16,7 @@ shared=True)``.
 
 import os as _os
 
-from mpistage import StageError
-
-# What launchers tell a process before MPI starts: its rank, the number of
-# ranks, the job. Hydra and PMI-1 launchers, Open MPI, PMIx, Slurm, Flux; the
-# first set wins. The one home of these names (the runner, the staging
-# roots' names and ``mpistage run`` read them).
-RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID",
-             "FLUX_TASK_RANK")  # fmt: skip
-SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "FLUX_JOB_SIZE")
-JOB_VARS = ("SLURM_JOB_ID", "FLUX_JOB_ID", "PBS_JOBID", "LSB_JOBID")
-
-
-def launcher_value(names, default=None):
-    """Return the first of the environment variables *names* that is set."""
-    return next((_os.environ[n] for n in names if _os.environ.get(n)), default)
-
-
-def launcher_rank():
-    """Return this process's rank as the launcher told it (0 if it did not)."""
-    value = launcher_value(RANK_VARS, "0")
-    return int(value) if value.isdigit() else 0
-
-
-def job_id():
-    """Return the scheduler's job id (its first dot-separated part), or ``None``."""
-    value = launcher_value(JOB_VARS)
-    return value.split(".")[0] if value else None
+from mpistage.node.launch import emulated_nodes
 
 
 class Topology:
@@ -56,23 +30,6 @@ class Topology:
     def is_leader(self):
         """Whether this rank stages the bundle for its node."""
         return self.node.rank == 0
-
-
-def emulated_nodes(size, value=None):
-    """Return N from ``MPISTAGE_EMULATE_NODES`` (``None`` when unset)."""
-    value = _os.environ.get("MPISTAGE_EMULATE_NODES", "") if value is None else value
-    if not value.strip():
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= size:
-        raise StageError(
-            f"MPISTAGE_EMULATE_NODES={value!r} must be a whole number from 1 to "
-            f"the number of ranks ({size})"
-        )
-    return count
 
 
 def discover(world, shared=False):

@@ -28,9 +28,9 @@ from mpistage.bench.units import parse_counts, parse_size, parse_time
 
 def parser():
     """Return the argument parser of ``mpistage bench model``."""
-    import argparse
+    from mpistage.cli import argument_parser
 
-    p = argparse.ArgumentParser(
+    p = argument_parser(
         prog="mpistage bench model",
         description="Model start-up time at scale from counts measured at small "
         "scale; check the model against measurements and published figures.",

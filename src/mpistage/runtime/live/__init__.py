@@ -97,8 +97,8 @@ class LiveSession:
 
     def place(self, topo):
         """Leaders make the node's copy (a guarded per-job root); all learn where."""
+        from mpistage.node.place import job_tag
         from mpistage.runtime.broadcast import share
-        from mpistage.runtime.place import job_tag
         from mpistage.runtime.stage import JobPlace
 
         tag = topo.world.bcast(job_tag() if topo.world.rank == 0 else None, root=0)
@@ -335,8 +335,8 @@ class LiveSession:
 
     def remove(self):
         """The leader removes its node's copy (unless kept)."""
-        from mpistage.runtime.cleanup import disarm, release
-        from mpistage.runtime.place import mark_kept
+        from mpistage.node.cleanup import disarm, release
+        from mpistage.node.place import mark_kept
 
         if self.root is None:
             return
@@ -404,11 +404,11 @@ class LiveSession:
 
         mpistage's own files in the copy (the listings) have none: ``None``.
         """
-        from mpistage.runtime.live.mirror import TREE
+        from mpistage.node.imports import FILES
 
         if not self.copy_root or not path.startswith(self.copy_root + "/"):
             return path
-        head = f"{self.copy_root}/{TREE}/"
+        head = f"{self.copy_root}/{FILES}/"
         return path[len(head) - 1 :] if path.startswith(head) else None
 
 
@@ -417,10 +417,9 @@ LATE_SHOWN = 5  # late keys a rank names in the report
 
 def wait_seconds():
     """How long a request waits for its answer (``MPISTAGE_LIVE_WAIT``)."""
-    from mpistage.runtime.live.request import WAIT
-    from mpistage.runtime.place import seconds
+    from mpistage.settings import get
 
-    return seconds("MPISTAGE_LIVE_WAIT", WAIT)
+    return get("MPISTAGE_LIVE_WAIT")
 
 
 def plain_path(path):

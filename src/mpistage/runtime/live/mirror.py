@@ -4,9 +4,10 @@ With live imports there is no bundle: the node's copy fills up while the
 job runs. The leader writes each item the reader pushes (a file, a
 directory listing) and every rank of the node reads them:
 
-- files go below ``<root>/tree`` at their original absolute path
+- files go below ``<root>/files`` at their original absolute path, as in
+  the node boot's copy (:data:`mpistage.node.imports.FILES`)
   (``/venv/lib/.../numpy/__init__.py`` →
-  ``<root>/tree/venv/lib/.../numpy/__init__.py``), so that an extension
+  ``<root>/files/venv/lib/.../numpy/__init__.py``), so that an extension
   finds its ``$ORIGIN`` libraries at the same relative place and the copy of
   one path never depends on how another was reached. Each file is written
   to a temporary name and renamed into place: a file that exists is
@@ -19,8 +20,8 @@ directory listing) and every rank of the node reads them:
 The leader creates everything relative to directory descriptors, without
 following symlinks, like extraction does
 (:class:`~mpistage.runtime.extract.Dirs`); the root itself is made, guarded
-and removed like the runner's copy (:mod:`~mpistage.runtime.place`,
-:mod:`~mpistage.runtime.cleanup`). The paths come from the reader, a rank of
+and removed like the runner's copy (:mod:`~mpistage.node.place`,
+:mod:`~mpistage.node.cleanup`). The paths come from the reader, a rank of
 the same job, and are still checked: absolute, no ``.`` or ``..``.
 
 A file that cannot be mirrored (an odd path, a name too long, a directory
@@ -32,7 +33,8 @@ out too when a library it needs from ``$ORIGIN`` is not in the copy.
 
 import os as _os
 
-TREE = "tree"
+from mpistage.node.imports import FILES
+
 LOG = ".mpistage-listings"
 FILE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
 HEADER = 4  # bytes of a log record's length
@@ -48,7 +50,7 @@ def relative(path):
 
 def copy_path(root, path):
     """Return where the original *path* is in the copy at *root*."""
-    return f"{root}/{TREE}{path}" if path != "/" else f"{root}/{TREE}"
+    return f"{root}/{FILES}{path}" if path != "/" else f"{root}/{FILES}"
 
 
 class CopyWriter:
@@ -58,8 +60,8 @@ class CopyWriter:
         from mpistage.runtime.extract import Dirs
 
         self.root = root
-        _os.mkdir(TREE, 0o700, dir_fd=root.fd)
-        self.dirs = Dirs(open_dir(root.fd, TREE))
+        _os.mkdir(FILES, 0o700, dir_fd=root.fd)
+        self.dirs = Dirs(open_dir(root.fd, FILES))
         flags = _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
         self.log = _os.open(LOG, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
         self.full, self.written, self.logged = False, 0, 0
@@ -162,7 +164,7 @@ class CopyWriter:
 
 def open_dir(parent_fd, name):
     """Open the directory *name* below *parent_fd*, refusing a symlink."""
-    from mpistage.runtime.place import DIR_FLAGS
+    from mpistage.node.place import DIR_FLAGS
 
     return _os.open(name, DIR_FLAGS, dir_fd=parent_fd)
 

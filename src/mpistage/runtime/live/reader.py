@@ -46,7 +46,8 @@ mtime_ns, needs)``; ``entries`` is ``None`` (no such directory), ``False``
 
 import os as _os
 
-from mpistage.nodeelf import elf_dynamic, expand_origin
+from mpistage import read_fd
+from mpistage.node.elf import elf_dynamic, expand_origin
 
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
@@ -271,7 +272,7 @@ class Reader:
             st = _os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
                 return None
-            data = read_all(fd, st.st_size)
+            data = read_fd(fd, st.st_size)
         except OSError:
             return None
         finally:
@@ -333,18 +334,6 @@ class Reader:
         for fd, _flags in self.fds.values():
             _os.close(fd)
         self.fds = {}
-
-
-def read_all(fd, size):
-    """Read *fd* to its end (*size* expected)."""
-    chunks, left = [], size
-    while True:
-        chunk = _os.read(fd, max(left, 1 << 16))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def bytecode_verdict(data, st):

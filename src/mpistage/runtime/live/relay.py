@@ -33,6 +33,7 @@ flight. An unexpected error in a relay ends the job (``MPI_Abort``).
 
 import _thread
 
+from mpistage import Backoff
 from mpistage.runtime.live.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUEST
 
 POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
@@ -46,13 +47,13 @@ NEEDS = (  # imported before the thread starts (see above)
     "struct",
     "time",
     "mpistage.runtime.finders",
-    "mpistage.nodeelf",
+    "mpistage.node.elf",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
     "mpistage.runtime.live.mirror",
     "mpistage.runtime.live.reader",
     "mpistage.runtime.live.request",
-    "mpistage.runtime.place",
+    "mpistage.node.place",
     "mpistage.runtime.roots",
 )
 
@@ -109,14 +110,14 @@ class Relay:
         import time
 
         try:
-            pause, quiet = POLL_MIN, time.monotonic()
+            pauses, quiet = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
             while not (self.ended and not self.sends):
                 if self.step():
-                    pause, quiet = POLL_MIN, time.monotonic()
+                    pauses.reset()
+                    quiet = time.monotonic()
                     continue
                 idle = time.monotonic() - quiet > IDLE_AFTER
-                self.bell.acquire(timeout=POLL_IDLE if idle else pause)
-                pause = min(pause * 2, POLL_MAX)
+                self.bell.acquire(timeout=POLL_IDLE if idle else pauses.next())
         except BaseException as exc:  # noqa: BLE001  (a server must not die quietly)
             self.crash(exc)
         finally:

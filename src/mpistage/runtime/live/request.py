@@ -30,11 +30,14 @@ stalled reader costs a rank one wait, not one per import.
 
 import _thread
 
+from mpistage import Backoff
+from mpistage.settings import SETTINGS
+
 REQUEST, FORWARD, ACK, PUSH, BYE, END = range(1, 7)
 FIRST_REPLY = 16  # reply tags are FIRST_REPLY .. MPI_TAG_UB
 CLOSED = "closed"
 LATE = "late"
-WAIT = 5.0  # seconds a rank waits for an answer (MPISTAGE_LIVE_WAIT)
+WAIT = SETTINGS["MPISTAGE_LIVE_WAIT"].default  # seconds a rank waits for an answer
 POLL_MIN, POLL_MAX = 0.00002, 0.001  # seconds between polls for an answer
 
 
@@ -127,7 +130,7 @@ class RankClient:
             return LATE
         tag = self.next_tag()
         sent = self.serve.Isend([dumps((tag, key)), MPI.BYTE], self.leader, REQUEST)
-        status, pause = MPI.Status(), POLL_MIN
+        status, pauses = MPI.Status(), Backoff(POLL_MIN, POLL_MAX)
         deadline = time.monotonic() + self.wait
         while True:
             message = self.reply.Improbe(self.leader, tag, status)
@@ -141,8 +144,7 @@ class RankClient:
                 with self.lock:
                     self.overdue[tag] = sent
                 return LATE
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+            pauses.sleep()
 
     def caught_up(self):
         """Take the late answers that have come; whether none is missing now."""

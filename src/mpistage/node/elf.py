@@ -1,7 +1,7 @@
 """What an ELF shared object needs, read with the standard library alone.
 
 The first rank of a node copies the MPI library with what its ``$ORIGIN``
-run path names (:mod:`mpistage.nodecopy`), and the live reader sends an
+run path names (:mod:`mpistage.node.copy`), and the live reader sends an
 extension with the libraries it needs from beside itself
 (:mod:`mpistage.runtime.live.reader`); this reads the dynamic section that
 says so. ``pyelftools`` does this for ``pack --env``, but what runs in every

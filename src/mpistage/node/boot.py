@@ -8,7 +8,7 @@ node meet first, at a private node-local directory, and only one of them
 pays it:
 
 - the *first* rank to create the meeting place imports mpi4py as usual and
-  leaves what it loaded there (:mod:`mpistage.nodecopy`): the code of every
+  leaves what it loaded there (:mod:`mpistage.node.copy`): the code of every
   Python module, and copies of the extension modules and libraries (at
   their original absolute paths below the place, so that ``$ORIGIN``
   finds what they need); then it marks the place complete and only then
@@ -20,23 +20,23 @@ pays it:
   report (:func:`facts`).
 
 A rank recognises its launch from the launcher
-(:func:`~mpistage.nodeimport.launch`): Slurm's job and step, PMIx's
+(:func:`~mpistage.node.imports.launch`): Slurm's job and step, PMIx's
 namespace, Flux's job, or for Hydra the ``hydra_pmi_proxy`` it runs under
 (its pid and start time). Variables can be inherited, so two launches may
 carry one name: the place's owner record and the first rank's record also
-name the launch's *instance* (:func:`~mpistage.nodeimport.instance`), the
+name the launch's *instance* (:func:`~mpistage.node.imports.instance`), the
 launcher's process that started this node's ranks, made anew for each
 launch; a follower uses only a place of its own instance, and checks
 every field of the record before it uses one. Emulated nodes
 (``MPISTAGE_EMULATE_NODES``) meet at a place of their own each. The place
 is ``<candidate>/mpistage-<uid>/boot-<launch>.<node>`` in the first
 staging candidate that passes the safe-directory rules of
-:mod:`~mpistage.runtime.place` (no candidate squatted by another user; a
+:mod:`~mpistage.node.place` (no candidate squatted by another user; a
 follower refuses a place that is not this user's own, 0700, no symlink). A
 follower checks that the mark names its own launch and that it runs the
 same interpreter with the same paths; it uses nothing else.
 
-The place is guarded like a staging root (:mod:`~mpistage.runtime.cleanup`:
+The place is guarded like a staging root (:mod:`~mpistage.node.cleanup`:
 removed on every exit path by the first rank, by its watchdog when it is
 killed, and reaped by a later job when all that failed), and the first rank
 reaps its user's dead places before making its own.
@@ -50,8 +50,8 @@ module runs before MPI in every rank, so it is read the cheap way
 import os as _os
 import time as _time
 
-from mpistage import StageError
-from mpistage.nodeimport import (
+from mpistage import NODE, Backoff, StageError, read_fd
+from mpistage.node.imports import (
     FILES,
     RECORD,
     VERSION,
@@ -59,17 +59,14 @@ from mpistage.nodeimport import (
     bad_shape,
     entry_modules,
     identity,
-    instance,
-    launch,
-    place_name,
-    read_fd,
 )
+from mpistage.node.launch import instance, launch, place_name
+from mpistage.settings import SETTINGS
 
-WAIT = 300.0  # seconds a follower waits for the first rank of its node
+WAIT = SETTINGS["MPISTAGE_BOOT_WAIT"].default  # seconds a follower waits
 POLL_MIN, POLL_MAX = 0.001, 0.05  # seconds between a follower's looks
 CLAIM_TRIES, CLAIM_PAUSE = 200, 0.005  # looks at a place of the same name, pause
 FAILED = "failed"  # the first rank's reason, when it could not finish
-RUNTIME = ("__init__", "place", "topology", "cleanup")  # read before MPI
 READ_FLAGS = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC
 
 
@@ -106,7 +103,7 @@ def import_mpi():
     from mpistage import load_local
 
     start = _time.perf_counter()
-    load_local("mpistage.runtime", RUNTIME)
+    load_local("mpistage.node", NODE)
     try:
         meeting = Meeting.find()
     except Declined as exc:
@@ -161,8 +158,8 @@ def first_import(meeting, start):
     from mpistage import load_local
 
     state.role, state.path, state.root = "first", meeting.path, meeting.root
-    load_local("mpistage", ("nodeimport", "nodeelf", "nodecopy"))
-    from mpistage.nodecopy import import_and_copy
+    load_local("mpistage.node", ("imports", "elf", "copy"))
+    from mpistage.node.copy import import_and_copy
 
     MPI = import_and_copy(meeting)
     state.seconds = _time.perf_counter() - start
@@ -188,7 +185,7 @@ def follower_import(meeting, start):
 def leave():
     """End the node boot in this process: the first rank removes the place."""
     if state.root is not None:
-        from mpistage.runtime.cleanup import release
+        from mpistage.node.cleanup import release
 
         release(state.root)
         state.root = None
@@ -217,9 +214,9 @@ def original(path):
 
 def wait_seconds():
     """How long a follower waits (``MPISTAGE_BOOT_WAIT``, seconds)."""
-    from mpistage.runtime.place import seconds
+    from mpistage.settings import get
 
-    return seconds("MPISTAGE_BOOT_WAIT", WAIT)
+    return get("MPISTAGE_BOOT_WAIT")
 
 
 # -- the meeting place ---------------------------------------------------------------
@@ -239,10 +236,10 @@ class Meeting:
     @classmethod
     def find(cls):
         """Return the meeting place of this rank, or raise :class:`Declined`."""
-        from mpistage.runtime.place import flag
+        from mpistage.settings import get
 
         try:
-            if not flag("MPISTAGE_BOOT", True):
+            if not get("MPISTAGE_BOOT"):
                 raise Declined("turned off (MPISTAGE_BOOT=no)")
             name = launch()
             if name is None:
@@ -260,7 +257,7 @@ class Meeting:
     @classmethod
     def open(cls, launch_name, name):
         """Open this user's directory in the first candidate that allows it."""
-        from mpistage.runtime.place import candidates, open_safe, own_dir
+        from mpistage.node.place import candidates, open_safe, own_dir
 
         refused = []
         for candidate in candidates():
@@ -281,7 +278,7 @@ class Meeting:
 
     def claim(self):
         """Create the place; return whether this rank is the first (then it owns it)."""
-        from mpistage.runtime.cleanup import reap_dead_roots
+        from mpistage.node.cleanup import reap_dead_roots
 
         for _ in range(CLAIM_TRIES):
             reap_dead_roots(self.candidate_fd)
@@ -304,8 +301,8 @@ class Meeting:
 
     def make(self):
         """Make the place, guard it and write its owner record (the first rank)."""
-        from mpistage.runtime.cleanup import guard
-        from mpistage.runtime.place import DIR_FLAGS, StagingDir, write_owner
+        from mpistage.node.cleanup import guard
+        from mpistage.node.place import DIR_FLAGS, StagingDir, write_owner
 
         self.made = False
         _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
@@ -327,8 +324,8 @@ class Meeting:
         line). A place with no owner yet (a sibling is making it), or a dead
         one's (being reaped), or gone already, is looked at again.
         """
-        from mpistage.runtime.cleanup import alive
-        from mpistage.runtime.place import DIR_FLAGS, check_own, read_owner
+        from mpistage.node.cleanup import alive
+        from mpistage.node.place import DIR_FLAGS, check_own, read_owner
 
         try:
             fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
@@ -354,7 +351,7 @@ class Meeting:
 
         Its name may be a sibling's new place by now.
         """
-        from mpistage.runtime.cleanup import disarm
+        from mpistage.node.cleanup import disarm
 
         if self.root is not None:
             disarm(self.root)
@@ -365,7 +362,7 @@ class Meeting:
 
     def give_back(self):
         """Remove a place this rank made and cannot use (its followers see it go)."""
-        from mpistage.runtime.cleanup import release, remove_entry
+        from mpistage.node.cleanup import release, remove_entry
 
         if self.root is not None:
             release(self.root)
@@ -375,7 +372,7 @@ class Meeting:
 
     def wait(self, seconds):
         """Wait for the first rank's mark; return its record, or raise Declined."""
-        deadline, pause = _time.monotonic() + seconds, POLL_MIN
+        deadline, pauses = _time.monotonic() + seconds, Backoff(POLL_MIN, POLL_MAX)
         self.fd = self.open_place()
         while True:
             record = self.read_record()
@@ -387,12 +384,11 @@ class Meeting:
                     f"waited {seconds:g} s for the node's first rank "
                     "(MPISTAGE_BOOT_WAIT)"
                 )
-            _time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX)
+            pauses.sleep()
 
     def open_place(self):
         """Open the place the first rank made; refuse one that is not ours alone."""
-        from mpistage.runtime.place import check_own, open_dir
+        from mpistage.node.place import check_own, open_dir
 
         try:
             fd = open_dir(self.user_fd, self.name, self.path)
@@ -430,8 +426,8 @@ class Meeting:
 
     def check_first(self):
         """Decline at once if the first rank gave up, or is gone."""
-        from mpistage.runtime.cleanup import alive
-        from mpistage.runtime.place import read_fields, read_owner
+        from mpistage.node.cleanup import alive
+        from mpistage.node.place import read_fields, read_owner
 
         if _os.fstat(self.fd).st_nlink == 0:
             raise Declined("the node's first rank gave its place up")
@@ -468,7 +464,7 @@ class Meeting:
 
     def fail(self, reason):
         """Tell the followers to import as usual (the first rank, best effort)."""
-        from mpistage.runtime.place import write_fields
+        from mpistage.node.place import write_fields
 
         try:
             write_fields(self.fd, FAILED, {"reason": reason}, _os.O_CREAT | _os.O_EXCL)
@@ -492,8 +488,8 @@ def serve(place, record):
     """Import ``mpi4py.MPI`` with the recorded modules served from *place*."""
     from mpistage import load_local
 
-    load_local("mpistage", ("nodeimport",))
-    from mpistage.nodeimport import Server
+    load_local("mpistage.node", ("imports",))
+    from mpistage.node.imports import Server
 
     server = Server(place, record)
     server.install()

@@ -36,7 +36,7 @@ import errno as _errno
 import os as _os
 
 from mpistage import StageError
-from mpistage.runtime.place import DIR_FLAGS, check_own, open_safe, read_owner
+from mpistage.node.place import DIR_FLAGS, check_own, open_safe, read_owner
 
 # The watchdog renames the root before it removes it: a removal cut short
 # (the node's processes killed, the job's end) leaves a name that says so,

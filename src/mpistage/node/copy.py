@@ -31,8 +31,9 @@ import os as _os
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
-from mpistage.nodeelf import elf_dynamic, mapped_names, origin_dirs, shared_object
-from mpistage.nodeimport import (
+from mpistage import read_fd
+from mpistage.node.elf import elf_dynamic, mapped_names, origin_dirs, shared_object
+from mpistage.node.imports import (
     FILES,
     RECORD,
     VERSION,
@@ -40,7 +41,6 @@ from mpistage.nodeimport import (
     Hook,
     finder_name,
     identity,
-    read_fd,
     source_kind,
     via_path,
 )
@@ -76,7 +76,7 @@ def import_and_copy(meeting):
 
 def give_up(meeting, reason):
     """Tell the followers to import as usual; free the room the copies take."""
-    from mpistage.runtime.cleanup import remove_entry
+    from mpistage.node.cleanup import remove_entry
 
     try:
         remove_entry(meeting.fd, FILES)
@@ -102,7 +102,7 @@ def import_entry():
     ``mpi4py.run`` first: imported here, it is left for the node with the
     rest, and every rank has it before the runner's finders take over.
     """
-    from mpistage.nodeimport import entry_modules
+    from mpistage.node.imports import entry_modules
 
     for name in entry_modules():
         __import__(name)
@@ -554,7 +554,7 @@ class Copier:
 
 def enter(fd, name):
     """Make (0700) or open the directory *name* below *fd*; close *fd*; return it."""
-    from mpistage.runtime.place import DIR_FLAGS
+    from mpistage.node.place import DIR_FLAGS
 
     try:
         try:

@@ -2,7 +2,7 @@
 
 Both are meta path finders put first on ``sys.meta_path`` for the time of
 ``from mpi4py import MPI`` alone (:class:`Hook`). The first rank's
-:class:`~mpistage.nodecopy.ImportRecorder` lets the usual finders find each
+:class:`~mpistage.node.copy.ImportRecorder` lets the usual finders find each
 module, keeps the code of Python modules as it runs it, and has extension
 modules and libraries loaded from their copies. A follower's
 :class:`Server` answers the recorded names from the record and the copy,
@@ -29,6 +29,8 @@ from _frozen_importlib_external import PathFinder as _PathFinder
 from _frozen_importlib_external import SourceFileLoader as _SourceFileLoader
 from _frozen_importlib_external import SourcelessFileLoader as _SourcelessFileLoader
 from _frozen_importlib_external import spec_from_file_location as _spec_at
+
+from mpistage.node.launch import fnv1a
 
 SOURCE_LOADERS = {_SourceFileLoader: "source", _SourcelessFileLoader: "sourceless"}
 
@@ -196,27 +198,10 @@ RECORD = "record"  # what the first rank loaded, marshalled; its presence is the
 FILES = "files"  # the copies, below it at their original absolute paths
 VERSION = 1  # of the record
 KEY_ENV = ("LD_LIBRARY_PATH", "LD_PRELOAD")  # what else decides what a rank loads
-PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
-# The processes that start a launch's ranks on a node, one per launch and
-# node: its instance is one of them, named by its pid and start time.
-STARTERS = ("slurmstepd", "hydra_pmi_proxy", "orted", "prted", "prterun", "orterun",
-            "flux-shell", "palsd", "mpirun", "mpiexec")  # fmt: skip
-ANCESTORS = 8  # how far up a rank looks for its launcher's proxy
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-NAME_CHARS = frozenset(LETTERS + LETTERS.upper() + "0123456789._-")
-NAME_MAX = 96  # characters of a launch's name kept as they are
 
 
 class Declined(Exception):
     """The copy is not used: the rank imports as usual, for this reason."""
-
-
-def fnv1a(data):
-    """Return the 64-bit FNV-1a hash of *data* (no import needed for it)."""
-    value = 0xCBF29CE484222325
-    for byte in data:
-        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return value
 
 
 def identity():
@@ -231,122 +216,6 @@ def identity():
     mpi4py = (f"{k}={v}" for k, v in _os.environ.items() if k.startswith("MPI4PY_"))
     parts += sorted(mpi4py)
     return f"{fnv1a(chr(0).join(parts).encode()):016x}"
-
-
-def read_fd(fd, size):
-    """Return *size* bytes (or up to the end) of the open file *fd*."""
-    chunks = []
-    while size > 0:
-        chunk = _os.read(fd, size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-# -- which launch, which node: the name of the meeting place ------------------
-
-
-def launch():
-    """Name this launch as its launcher does, or ``None``: one name per launch."""
-    env = _os.environ
-    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}"
-    if env.get("PMIX_NAMESPACE"):
-        return "pmix-" + env["PMIX_NAMESPACE"]
-    if env.get("FLUX_JOB_ID"):
-        return "flux-" + env["FLUX_JOB_ID"]
-    proxy = launcher_proxy()
-    return f"hydra-{proxy[0]}-{proxy[1]}" if proxy else None
-
-
-def instance():
-    """Name this launch's instance on this node, or ``None``: what starts its ranks.
-
-    Variables name a launch, but a child inherits them (an ``FLUX_JOB_ID``
-    passed on to an ``mpiexec`` inside the job): two launches may carry the
-    same name. The launcher's process that starts the ranks of this node
-    (``slurmstepd``, ``hydra_pmi_proxy``, ``orted``, ``flux-shell``...) is
-    made anew for each launch; its pid and start time name it uniquely.
-    """
-    found = ancestor(lambda comm: comm.startswith(STARTERS))
-    return f"{found[0]}-{found[1]}" if found else None
-
-
-def launcher_proxy():
-    """Return (pid, start time) of the launcher proxy this rank runs under, or None.
-
-    Hydra starts the ranks of a node as children of one ``hydra_pmi_proxy``
-    (perhaps through a wrapper such as ``sh -c``); its pid and its start
-    time, in clock ticks since boot, name it uniquely on the node.
-    """
-    return ancestor(lambda comm: comm in PROXIES)
-
-
-def ancestor(wanted):
-    """Return (pid, start time) of the nearest ancestor whose name is *wanted*."""
-    pid = _os.getppid()
-    for _level in range(ANCESTORS):
-        found = proc_stat(pid)
-        if found is None:
-            return None
-        comm, ppid, started = found
-        if wanted(comm):
-            return pid, started
-        if ppid <= 1:
-            return None
-        pid = ppid
-    return None
-
-
-def proc_stat(pid):
-    """Return (command name, parent pid, start time) of process *pid*, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    comm = text[text.find("(") + 1 : text.rfind(")")]
-    fields = text[text.rfind(")") + 2 :].split()
-    try:
-        return comm, int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def node_word():
-    """Name this rank's node within the launch: host, Slurm node, emulated node."""
-    from mpistage.runtime.topology import (
-        SIZE_VARS,
-        emulated_nodes,
-        launcher_rank,
-        launcher_value,
-    )
-
-    word = _os.uname().nodename.split(".")[0]
-    if _os.environ.get("SLURM_NODEID", "").isdigit():
-        word += ".s" + _os.environ["SLURM_NODEID"]
-    size = launcher_value(SIZE_VARS, "1")
-    size = int(size) if size.isdigit() and int(size) > 0 else 1
-    count = emulated_nodes(size)
-    if count:
-        word += f".e{launcher_rank() * count // size}"
-    return word
-
-
-def place_name(name=None):
-    """Return the name of this rank's meeting place (for the launch *name*)."""
-    name = launch() if name is None else name
-    return f"boot-{safe_name(name)}.{safe_name(node_word())}"
-
-
-def safe_name(text):
-    """Return *text* as a file name: odd characters and excess length hashed."""
-    kept = "".join(c if c in NAME_CHARS else "_" for c in text)
-    if kept == text and len(text) <= NAME_MAX:
-        return text
-    return f"{kept[:NAME_MAX]}-{fnv1a(text.encode()):016x}"
 
 
 # -- the record's shape: a follower checks every field before it uses one --------

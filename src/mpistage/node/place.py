@@ -12,57 +12,34 @@ the parent's descriptor, never following a symlink, and every component
 must belong to root or to us and must not be writable by others unless it
 is sticky. Below it, everything is created relative to directory
 descriptors opened once: another user can neither swap a component nor
-redirect a file. Deleting is :mod:`~mpistage.runtime.cleanup`'s.
+redirect a file. Deleting is :mod:`~mpistage.node.cleanup`'s.
 
 Squatting never stops one user's jobs: when ``mpistage-<uid>`` in a shared
 candidate belongs to somebody else (or is unsafe), the job uses a private
 directory with a random name in the same candidate,
 ``mpistage-<uid>-<random>``, created 0700 and checked, and removed with the
 job's root. Roots are deleted, and roots of dead jobs reaped, by
-:mod:`~mpistage.runtime.cleanup`.
+:mod:`~mpistage.node.cleanup`.
 """
 
 import os as _os
 
 from mpistage import StageError
 
-DEFAULT_CANDIDATES = ("/dev/shm", "$TMPDIR", "/tmp")
+RAM_DISK = "/dev/shm"  # node-local memory: the first default candidate
+DEFAULT_CANDIDATES = (RAM_DISK, "$TMPDIR", "/tmp")
 OWNER_FILE = ".mpistage-owner"
 RECORD_SIZE = 4096  # bytes of a key=value record read at most
 PRIVATE_TRIES = 16  # random names tried for a private directory
 DIR_FLAGS = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_CLOEXEC
-_TRUE = ("1", "yes", "on", "true")
-_FALSE = ("0", "no", "off", "false")
-
-
-def flag(name, default):
-    """Read a yes/no environment variable; reject anything else clearly."""
-    value = _os.environ.get(name, "").strip().lower()
-    if not value:
-        return default
-    if value in _TRUE or value in _FALSE:
-        return value in _TRUE
-    raise StageError(f"{name}={value!r} must be one of yes/no/on/off/1/0")
-
-
-def seconds(name, default):
-    """Read a number of seconds from the environment; reject anything else."""
-    value = _os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        found = float(value)
-    except ValueError:
-        found = -1.0
-    if not found >= 0:
-        raise StageError(f"{name}={value!r} must be a number of seconds")
-    return found
 
 
 def candidates():
     """Return the staging candidates in order of preference."""
-    found = _os.environ.get("MPISTAGE_STAGE_DIR", "").split(_os.pathsep)
-    if flag("MPISTAGE_STAGE_FALLBACK", True):
+    from mpistage.settings import get
+
+    found = list(get("MPISTAGE_STAGE_DIR"))
+    if get("MPISTAGE_STAGE_FALLBACK"):
         found += [expand(p) for p in DEFAULT_CANDIDATES]
     return list(dict.fromkeys(p for p in found if p and not p.startswith("$")))
 
@@ -241,7 +218,7 @@ def make_root(job, node, footprint, skip=(), reap=None):
 
     Candidates in *skip* (resolved paths) are passed over; *reap*, if given,
     is first called with each candidate's descriptor (to remove this user's
-    roots of dead jobs there, :func:`mpistage.runtime.cleanup.reap_dead_roots`).
+    roots of dead jobs there, :func:`mpistage.node.cleanup.reap_dead_roots`).
     Returns a
     :class:`StagingDir`, without its owner record (:func:`write_owner`). Raises
     :class:`StageError` naming every candidate and why it was refused when
@@ -400,7 +377,7 @@ def job_tag():
     """Return a name for this job, unique on the node: scheduler id, pid, time."""
     import time
 
-    from mpistage.runtime.topology import job_id
+    from mpistage.node.launch import job_id
 
     prefix = job_id() or _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"

@@ -1,0 +1,237 @@
+"""Every ``MPISTAGE_*`` environment variable: its name, parser, default and meaning.
+
+Why one home: the variables are read by the runner, the node boot (before
+MPI), the live imports, the command-line tools and the bench. Each used to
+parse its own, so one value could mean two things in two places. Now each
+place asks :func:`get`, which parses the one way and rejects anything else
+with one line naming the variable. The runner's ``--help`` lists the
+settings from here and docs/usage.md's table is checked against
+:data:`SETTINGS` (tests/test_docs.py), so neither can drift.
+
+Settings marked *internal* pass facts from one mpistage process to another
+(``mpistage run`` to its steps, the recorder to Python children); users do
+not set them. ``bin/mpistage-env`` is a shell script and reads its three
+settings itself; the suite checks it uses the names and defaults below.
+
+It imports nothing but ``os`` and the package itself: the node boot reads
+it before MPI exists.
+"""
+
+import os as _os
+
+from mpistage import StageError
+
+_TRUE = ("1", "yes", "on", "true")
+_FALSE = ("0", "no", "off", "false")
+
+
+def yes_no(name, value):
+    """``yes``/``no`` (also on/off, true/false, 1/0)."""
+    value = value.lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise StageError(f"{name}={value!r} must be one of yes/no/on/off/1/0")
+
+
+def seconds(name, value):
+    """A number of seconds, zero or more."""
+    try:
+        found = float(value)
+    except ValueError:
+        found = -1.0
+    if not found >= 0:  # also NaN
+        raise StageError(f"{name}={value!r} must be a number of seconds")
+    return found
+
+
+def count(name, value):
+    """A whole number, one or more."""
+    try:
+        found = int(value)
+    except ValueError:
+        found = 0
+    if found < 1:
+        raise StageError(f"{name}={value!r} must be a whole number, 1 or more")
+    return found
+
+
+def text(name, value):
+    """Any text (a path, a command)."""
+    return value
+
+
+def paths(name, value):
+    """A ``:``-separated list of directories."""
+    return [p for p in value.split(_os.pathsep) if p]
+
+
+class Setting:
+    """One variable: *name*, its parser, its default, what it does (one line)."""
+
+    def __init__(self, name, parse, default, meaning, value="", internal=False):
+        self.name, self.parse, self.default = name, parse, default
+        self.meaning, self.value, self.internal = meaning, value, internal
+
+    def get(self, environ=None):
+        """The parsed value, or the default when unset or empty."""
+        found = self.text(environ)
+        return self.parse(self.name, found) if found else self.default
+
+    def text(self, environ=None):
+        """The value as set (stripped), ``""`` when unset."""
+        return (_os.environ if environ is None else environ).get(self.name, "").strip()
+
+    def shown(self):
+        """``NAME=VALUE`` as the docs write it (``NAME`` alone for a path)."""
+        return f"{self.name}={self.value}" if self.value else self.name
+
+
+def _settings(*items):
+    return {item.name: item for item in items}
+
+
+SETTINGS = _settings(
+    Setting("MPISTAGE_BUNDLE", text, None, "the bundle to stage (as `--bundle FILE`)"),
+    Setting(
+        "MPISTAGE_CACHE_DIR",
+        text,
+        None,
+        "where `--auto` keeps bundles (as `--cache-dir DIR`; default "
+        "`$XDG_CACHE_HOME/mpistage` or `~/.cache/mpistage`)",
+    ),
+    Setting(
+        "MPISTAGE_REPORT",
+        text,
+        None,
+        "write the job's report as JSON to this file",
+        "path.json",
+    ),
+    Setting(
+        "MPISTAGE_STAGE_DIR",
+        paths,
+        [],
+        "staging candidates, tried first",
+        "dir1:dir2",
+    ),
+    Setting(
+        "MPISTAGE_STAGE_FALLBACK",
+        yes_no,
+        True,
+        "with `no`, do not fall back to /dev/shm, `$TMPDIR`, /tmp",
+        "no",
+    ),
+    Setting(
+        "MPISTAGE_EMULATE_NODES",
+        count,
+        None,
+        "split the ranks into N emulated nodes (contiguous rank blocks), each "
+        "with its own staging root: for tests and benchmarks on one machine",
+        "N",
+    ),
+    Setting(
+        "MPISTAGE_BOOT",
+        yes_no,
+        True,
+        "with `no`, no node boot: every rank imports mpi4py as usual",
+        "no",
+    ),
+    Setting(
+        "MPISTAGE_BOOT_WAIT",
+        seconds,
+        300.0,
+        "how long a rank waits for its node's first rank before it imports "
+        "mpi4py as usual (default 300; a first rank that ends is noticed at once)",
+        "SECONDS",
+    ),
+    Setting(
+        "MPISTAGE_LIVE",
+        yes_no,
+        True,
+        "with `no`, a job without a bundle imports the plain way (no live imports)",
+        "no",
+    ),
+    Setting(
+        "MPISTAGE_LIVE_WAIT",
+        seconds,
+        5.0,
+        "how long a rank waits for a live request's answer before it imports "
+        "from the originals (default 5)",
+        "SECONDS",
+    ),
+    Setting(
+        "MPISTAGE_ENV_WAIT",
+        count,
+        600,
+        "`mpistage-env`: how long a node's other processes wait for the one "
+        "that unpacks the environment (whole seconds, default 600)",
+        "SECONDS",
+    ),
+    Setting(
+        "MPISTAGE_NODE_PYTHON",
+        text,
+        "/usr/bin/python3",
+        "`mpistage-env`: the node-local Python 3.10+ that unpacks the "
+        "environment (default /usr/bin/python3)",
+        "PATH",
+    ),
+    Setting(
+        "MPISTAGE_CHILD",
+        text,
+        None,
+        "a Python child of a rank: the node's copy to import from",
+        internal=True,
+    ),
+    Setting(
+        "MPISTAGE_RECORD_DIR",
+        text,
+        None,
+        "`mpistage record`: where Python children write what they used",
+        internal=True,
+    ),
+    Setting(
+        "MPISTAGE_RUN_OWNER",
+        text,
+        "",
+        "`mpistage run`: the run that owns a stage (its marker's owner record)",
+        internal=True,
+    ),
+    Setting(
+        "MPISTAGE_RUN_KEEP",
+        text,
+        "",
+        "`mpistage run --keep`: the stage outlives the run",
+        internal=True,
+    ),
+    Setting(
+        "MPISTAGE_BENCH_RESULT",
+        text,
+        None,
+        "`mpistage bench`: where a benchmark's rank 0 writes its timings",
+        internal=True,
+    ),
+)
+
+
+def get(name, environ=None):
+    """The value of the setting *name* (from *environ*, else ``os.environ``)."""
+    return SETTINGS[name].get(environ)
+
+
+def help_lines(width=79):
+    """The settings users set, ``NAME=VALUE  meaning`` each, wrapped (``--help``)."""
+    import textwrap
+
+    shown = [s for s in SETTINGS.values() if not s.internal]
+    left = max(len(s.shown()) for s in shown) + 4
+    lines = []
+    for item in shown:
+        text = f"  {item.shown():<{left - 4}}  {item.meaning.replace('`', '')}"
+        lines += textwrap.wrap(text, width, subsequent_indent=" " * left)
+    return lines
+
+
+def markdown_rows():
+    """The settings users set, as docs/usage.md's table rows."""
+    return [
+        f"| `{s.shown()}` | {s.meaning} |" for s in SETTINGS.values() if not s.internal
+    ]

@@ -191,11 +191,18 @@ def trace_paths(text):
 
 
 def opened(text):
-    """Return the paths an ``strace -f`` output shows opened successfully.
+    """Return the paths an ``strace -f`` output shows opened successfully."""
+    return set(open_counts(text))
+
+
+def open_counts(text):
+    """Return ``{path: successful opens}`` of an ``strace -f`` output.
 
     Follows ``<unfinished ...>`` / ``<... resumed>`` pairs by pid.
     """
-    pending, found = {}, set()
+    from collections import Counter
+
+    pending, found = {}, Counter()
     for line in text.splitlines():
         pid, _, rest = line.partition(" ")
         rest = rest.strip()
@@ -211,5 +218,5 @@ def opened(text):
             continue
         result = rest.rpartition("= ")[2].split(" ")[0]
         if result.isdigit():
-            found.add(path)
+            found[path] += 1
     return found

@@ -62,7 +62,8 @@ def realistic(tmp_path_factory):
     args = [
         *("-m", "mpistage", "bench", "run", "--workload", "generated"),
         *("--modules", "12", "--extensions", "1", "--ranks", "1,6", "--nodes", "2"),
-        *("--latency", "0", "--modes", "floor,plain,mpistage,live,staged-env"),
+        *("--latency", "0"),
+        *("--modes", "floor,plain,mpistage,live,staged-env,env-launch"),
         *("-o", str(out)),
     ]
     result = run([sys.executable, *args], env=clean_environ(), timeout=600)
@@ -116,6 +117,12 @@ def test_realistic_layout_counts_what_every_rank_pays(realistic):
     env = cell[("staged-env", 6)]
     assert env["ops_rank0"] == env["ops_rank_max"] == 0
     assert env["ops_stage_node"] > 0 and env["stage_s"] > 0
+    # one launch (mpistage-env): a rank pays the launcher's exec of the script
+    # and sh's read of it, a node its one read of the bundle, nothing else
+    one = cell[("env-launch", 6)]
+    assert one["ops_rank0"] == one["ops_rank_max"] <= 12
+    assert 0 < one["ops_stage_node"] <= 20
+    assert one["meta_ops"] <= 6 * one["ops_rank_max"] + 2 * one["ops_stage_node"]
 
 
 def test_bench_data_on_two_nodes(tmp_path):

@@ -10,6 +10,7 @@ naming the node and never a hang, and nothing is left behind.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from envtools import small_venv
+from envtools import QUOTED, open_counts, small_venv, trace_paths, under
 from stagetools import MPIEXEC, clean_environ, mpistage, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
@@ -236,8 +237,12 @@ def test_no_node_python_is_one_line_per_rank(env_bundle, tmp_path, place):
     assert results(result) == {}
 
 
-def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, place):
-    """Another user plants the claim of node 0 (a job's names are predictable)."""
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_planted_name_makes_the_node_use_the_next_place(
+    env_bundle, tmp_path, place, kind
+):
+    """Another user plants the claim of node 0 (a job's names are predictable):
+    a directory of theirs, or their symlink to a directory of ours."""
     spare = tmp_path / "spare"
     spare.mkdir(mode=0o700)
     shared = tmp_path / "sticky"
@@ -245,22 +250,26 @@ def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, 
     shared.chmod(0o1777)
     env = environ(place, FLUX_JOB_ID="f42")
     env["MPISTAGE_STAGE_DIR"] = f"{shared}:{spare}"
-    stat = os.stat(env_bundle)
     key = subprocess.run(
         ["cksum"],
-        input=f"{env_bundle} {stat.st_size}.{int(stat.st_mtime)}\n",
+        input=f"{env_bundle}\n",
         capture_output=True,
         text=True,
     ).stdout.split()[0]
     planted = shared / f"mpistage-env-{os.getuid()}-f42-{key}.n0.in"
-    planted.mkdir()
-    os.chown(planted, 65534, 65534)
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    if kind == "symlink":
+        planted.symlink_to(ours)
+    else:
+        planted.mkdir()
+    os.lchown(planted, 65534, 65534)
     try:
         result = launch(env_bundle, tmp_path, env)
         assert result.returncode == 0, result
         exes = {r: Path(i["exe"]) for r, i in results(result).items()}
         assert spare in exes[0].parents and shared in exes[2].parents, exes
-        assert planted.is_dir() and planted.stat().st_uid == 65534
+        assert planted.lstat().st_uid == 65534 and list(ours.iterdir()) == []
         # Alone, the planted place is refused with one line naming the node
         # (one node: a node that fails while others start leaves those
         # waiting in MPI_Init until the launcher ends them, docs/stage.md).
@@ -272,8 +281,8 @@ def test_a_planted_name_makes_the_node_use_the_next_place(env_bundle, tmp_path, 
         assert lines and all("emulated node 0" in ln for ln in lines), lines
         assert "not yours" in lines[0]
     finally:
-        planted.rmdir()
-        for folder in (shared, spare):
+        planted.unlink() if planted.is_symlink() else planted.rmdir()
+        for folder in (shared, spare, ours):
             for path in folder.iterdir():
                 subprocess.run(["rm", "-rf", str(path)], check=True)
 
@@ -309,3 +318,76 @@ def test_boot_reads_the_header_as_the_format_says():
     text = SCRIPT.read_text()
     assert f'struct.unpack_from("{HEADER.format}", buf)' in text
     assert f'magic != b"{MAGIC.decode()}"' in text
+
+
+def test_a_bundle_replaced_within_the_job_gets_its_own_copy(
+    env_bundle, tmp_path, place
+):
+    """The job's second launch finds the path's copy, but the bundle was packed
+    again in between: it runs the new bundle from a copy of its own."""
+    bundle = tmp_path / "env.mpistage"
+    bundle.write_bytes(env_bundle.read_bytes())
+    env = environ(place, FLUX_JOB_ID="f44")
+    first = launch(bundle, tmp_path, env)
+    assert first.returncode == 0, first
+    before = {Path(r["exe"]).parent.parent for r in results(first).values()}
+    replaced = tmp_path / "env.mpistage.new"
+    replaced.write_bytes(env_bundle.read_bytes())
+    replaced.rename(bundle)  # as pack writes it: a new file in its place
+    second = launch(bundle, tmp_path, env)
+    assert second.returncode == 0, second
+    after = {Path(r["exe"]).parent.parent for r in results(second).values()}
+    assert len(after) == 2 and not after & before, (before, after)
+    again = launch(bundle, tmp_path, env)  # the new copy serves the next launch
+    assert {Path(r["exe"]).parent.parent for r in results(again).values()} == after
+    for path in place.iterdir():
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_strace_the_shared_files_are_the_script_and_the_bundle_once_per_node(
+    env_bundle, tmp_path, place, tmp_path_factory
+):
+    """Under ``strace -f``, the whole launch (launcher, every rank, each
+    node's extraction, the staged interpreters) opens nothing of the shared
+    venv, and of the shared place only the script (once per rank for the
+    exec, once for ``sh``) and the bundle, once per node."""
+    venv = small_venv(tmp_path_factory).prefix  # what env_bundle was packed from
+    shared = tmp_path / "shared"
+    (shared / "bin").mkdir(parents=True)
+    script = shared / "bin" / "mpistage-env"
+    shutil.copy2(SCRIPT, script)
+    bundle = shared / "env.mpistage"
+    os.link(env_bundle, bundle) if same_fs(env_bundle, shared) else shutil.copy(
+        env_bundle, bundle
+    )
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    log = tmp_path / "strace.log"
+    tracer = ["strace", "-f", "-qq", "-e", "trace=%file", "-s", "4096", "-o", log]
+    command = [*tracer, MPIEXEC, "-n", "4", script, bundle, "--", "python", app]
+    result = run(command, environ(place), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result
+    assert sorted(results(result)) == [0, 1, 2, 3], result
+    text = log.read_text()
+    touched = {p for p in trace_paths(text) if under(p, venv) or under(p, shared)}
+    assert touched == {str(script), str(bundle)}, sorted(touched)
+    counts = open_counts(text)
+    assert counts[str(bundle)] == 2, counts[str(bundle)]  # two emulated nodes
+    assert calls_on(text, bundle) == 2  # no rank stats it either
+    assert counts[str(script)] == 4, counts[str(script)]  # sh's read, per rank
+    assert not any(under(p, venv) for p in counts), sorted(counts)
+    assert settled(place) == []
+
+
+def calls_on(text, path):
+    """Count the system calls in an ``strace -f`` output whose path is *path*
+    (``execve`` lines are left out: their arguments name it too)."""
+    count = 0
+    for line in text.splitlines():
+        rest = line.partition(" ")[2].strip()
+        if rest.startswith(("execve", "<...")):
+            continue
+        match = QUOTED.search(rest)
+        count += bool(match and match.group(1) == str(path))
+    return count

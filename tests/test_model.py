@@ -79,16 +79,33 @@ def test_cli_prints_the_table_from_defaults(capsys):
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (ranks, nodes, mode)
         for ranks, nodes in (("1,024", "32"), ("16,384", "512"), ("131,072", "4,096"))
-        for mode in ("plain", "mpistage", "mpistage-trust", "staged-env")
+        for mode in ("plain", "mpistage", "mpistage-trust", "staged-env", "env-launch")
     ]
     # plain at 16,384 ranks: 16,384 × 6,073 ops at 40,000 ops/s = 2,487.5 s
-    assert rows[4][3] == "2,488"
+    assert rows[5][3] == "2,488"
     # the runner: 508 + 512 first ranks × 1,626 + 15,872 others × 553 ops
     # = 9,610,236 ops at 40,000 ops/s = 240 s
-    assert rows[5][2] == "mpistage" and rows[5][3] == "240"
-    for i in range(0, 12, 4):
-        totals = [float(r[8].replace(",", "")) for r in rows[i : i + 4]]
-        assert totals[0] > totals[1] >= totals[2] > totals[3]
+    assert rows[6][2] == "mpistage" and rows[6][3] == "240"
+    for i in range(0, 15, 5):
+        totals = [float(r[8].replace(",", "")) for r in rows[i : i + 5]]
+        assert totals[0] > totals[1] >= totals[2] > totals[3] > totals[4]
+    # mpistage-env's targets (issue #28): ≤ 30 s at 16,384 ranks, ≤ 200 s at 131,072
+    assert rows[9][2] == "env-launch" and float(rows[9][8]) <= 30
+    assert rows[14][2] == "env-launch" and float(rows[14][8]) <= 200
+
+
+def test_env_launch_reads_the_bundle_once_per_node_without_a_broadcast():
+    env = Inputs(ops_rank=10, ops_node=5, bundle_bytes=4e7, bundle_per_node=1)
+    steps = predict(env, 16, 4, HAND)
+    # 4 nodes × (10 + 5) + 12 others × 10 = 180 ops at 4,000 ops/s
+    assert steps["metadata"] == pytest.approx(0.045)
+    # 4 nodes × 40 MB at 1 GB/s together = 0.16 s, beaten by one reader's
+    # 40 MB at 0.1 GB/s = 0.4 s; nothing is broadcast
+    assert steps["read"] == pytest.approx(0.4)
+    assert steps["broadcast"] == 0
+    assert steps["write"] == pytest.approx(0.4)  # each node writes its copy
+    # 64 nodes × 40 MB = 2.56 GB at 1 GB/s: the file system's bandwidth binds
+    assert predict(env, 256, 64, HAND)["read"] == pytest.approx(2.56)
 
 
 def write_results(path, rows, latency="1ms"):
@@ -154,7 +171,7 @@ def test_cli_prints_the_table_from_a_results_file(results, capsys):
     out = capsys.readouterr().out
     assert f"inputs: numpy from {results}" in out
     rows = {(r[0], r[2]): r for r in table_rows(out)}
-    assert len(rows) == 12
+    assert len(rows) == 15  # 3 rank counts × 5 modes
     # plain at 1,024 ranks: 1,024 × 1,000 ops at 40,000 ops/s = 25.6 s; run 0.5 s
     assert rows[("1,024", "plain")][3] == "25.6"
     assert rows[("1,024", "plain")][7] == "0.50"

@@ -115,7 +115,8 @@ def run_parser():
         "--modes",
         default=None,
         help="realistic: floor,plain,mpistage,mpistage-trust,live,staged-env,local "
-        "(default), env-launch, mpistage-m, auto-first; packages: plain,mpistage,"
+        "(default), env-launch, env-launch-sh, mpistage-m, auto-first; packages: "
+        "plain,mpistage,"
         "mpistage-trust,auto,live,auto-first,local,plain-env,staged-env "
         "(default plain,mpistage,local)",
     )

@@ -22,6 +22,8 @@ and the workload are. Add a mode by writing a class and listing it in
 - ``env-launch``: ``mpistage-env`` in the one launch: per node, one rank
   unpacks the bundle with the node's own Python, the others wait, then
   every rank execs the staged ``python``;
+- ``env-launch-sh``: the same, each rank starting the node's ``/bin/sh``
+  with the script (``sh VENV/bin/mpistage-env ...``);
 - ``local``: everything node-local, the no-cost limit;
 - ``plain-env``: a relocated environment run from the shared FS (packages
   layout, for comparison with its ``staged-env``).
@@ -370,9 +372,17 @@ class EnvLaunch(StagedEnv):
         return env
 
     def launch(self, testbed, ranks, nodes, code):
-        """One launch, counted and timed whole."""
+        """One launch, counted and timed whole; a node's share of the rest."""
         start, stats, extra = Mode.launch(self, testbed, ranks, nodes, code)
-        return start, stats, {"stage_s": 0.0, **extra}
+        size = _os.path.getsize(
+            _os.path.join(testbed.source, "bundles", "env.mpistage")
+        )
+        node = -(-outside_ranks(testbed, stats) // nodes)
+        return (
+            start,
+            stats,
+            {**extra, "stage_s": 0.0, "bundle_bytes": size, "ops_node": node},
+        )
 
     def after(self, testbed):
         """Wait for the watchdogs, then remove what is left (nothing, normally)."""
@@ -381,6 +391,31 @@ class EnvLaunch(StagedEnv):
                 break
             _time.sleep(0.1)
         _shutil.rmtree(self.local, ignore_errors=True)
+
+
+class EnvLaunchSh(EnvLaunch):
+    """``mpiexec -n R /bin/sh MOUNT/.../mpistage-env ...``: the node's ``sh``
+    reads the script, and nothing execs it from the shared FS."""
+
+    name = "env-launch-sh"
+
+    def command(self, testbed, ranks, code):
+        """Every rank starts the node's ``/bin/sh`` with the shared script."""
+        launch = super().command(testbed, ranks, code)
+        return [*launch[:3], "/bin/sh", *launch[3:]]
+
+
+def outside_ranks(testbed, stats):
+    """Return the metadata ops of the processes that are no rank (``mpistage-env``'s
+    extraction on each node: its claim and its read of the bundle)."""
+    import json
+
+    from mpistage.bench.simfs import meta_ops
+
+    with open(testbed.result_path) as f:
+        ranks = {str(pid) for _, pid, _, _ in json.load(f)["ranks"]}
+    per_pid = stats.get("per_pid", {})
+    return sum(meta_ops(v) for pid, v in per_pid.items() if pid not in ranks)
 
 
 def installed_script():
@@ -491,6 +526,7 @@ MODES = {
             AutoFirst,
             StagedEnv,
             EnvLaunch,
+            EnvLaunchSh,
             Local,
         )
     },

@@ -18,7 +18,8 @@ For every workload, rank count and mode (interleaved, repeated), it launches
 - shared-FS metadata operations (all but data reads): in total, of rank 0,
   the median and the largest of the other ranks, the largest of the ranks
   (other than 0) that imported mpi4py for their node (the node boot, from
-  the runner's report), and the largest per node of a stage step; data
+  the runner's report), and the largest per node of a stage step (for
+  ``env-launch``: the processes that are no rank, per node); data
   reads and bytes read.
 """
 
@@ -141,9 +142,8 @@ def measure(testbed, start, stats, extra, nodes):
         "ops_rank_median": _statistics.median(others),
         "ops_rank_max": max(others),
         "ops_first": max((ops[r] for r in first_ranks(testbed) if r), default=0),
-        "ops_stage_node": max(
-            map(meta_ops, stage.get("per_pid", {}).values()), default=0
-        ),
+        "ops_stage_node": extra.get("ops_node")
+        or max(map(meta_ops, stage.get("per_pid", {}).values()), default=0),
         "read_ops": read_ops(stats) + read_ops(stage),
         "bytes_read": stats.get("bytes", 0) + stage.get("bytes", 0),
         "bundle_bytes": extra.get("bundle_bytes") or bundle_bytes(testbed),

@@ -11,7 +11,7 @@ import math as _math
 from mpistage.bench.units import MIB
 
 STEPS = ("metadata", "read", "broadcast", "write", "run")
-MODES = ("plain", "mpistage", "mpistage-trust", "staged-env")
+MODES = ("plain", "mpistage", "mpistage-trust", "staged-env", "env-launch")
 INF = float("inf")
 
 
@@ -44,6 +44,7 @@ class Inputs:
     bytes_rank: float = 0.0  # shared-FS bytes every rank reads
     bytes_node: float = 0.0  # shared-FS bytes the stage process of a node reads
     bundle_bytes: float = 0.0  # read once, broadcast, written once per node
+    bundle_per_node: float = 0.0  # 1: each node reads the bundle itself, no broadcast
     run_s: float = 0.0  # local CPU time of start-up and imports, per rank
     write_s: float | None = None  # staging seconds per node; None: bundle/local_bw
 
@@ -59,7 +60,7 @@ def predict(inputs, ranks, nodes, machine):
     steps = {
         "metadata": metadata_seconds(inputs, ranks, nodes, machine),
         "read": read_seconds(inputs, ranks, nodes, machine),
-        "broadcast": broadcast_seconds(inputs.bundle_bytes, nodes, machine),
+        "broadcast": broadcast_seconds(broadcast_bytes(inputs), nodes, machine),
         "write": write_seconds(inputs, nodes, machine),
         "run": inputs.run_s * shared(ranks, machine.cores),
     }
@@ -98,7 +99,24 @@ def read_seconds(inputs, ranks, nodes, machine):
     together = ranks * inputs.bytes_rank + nodes * inputs.bytes_node
     alone = max(inputs.bytes_rank, inputs.bytes_node)
     spread = max(together / machine.fs_bw, alone / machine.client_bw)
-    return spread + inputs.bundle_bytes / machine.client_bw
+    return spread + bundle_read_seconds(inputs, nodes, machine)
+
+
+def bundle_read_seconds(inputs, nodes, machine):
+    """Return the time to read the bundle: once, or once per node at once.
+
+    Read per node (``mpistage-env``), the nodes share the file system's
+    bandwidth, and none reads faster than one reader can.
+    """
+    size = inputs.bundle_bytes
+    if inputs.bundle_per_node:
+        return max(nodes * size / machine.fs_bw, size / machine.client_bw)
+    return size / machine.client_bw
+
+
+def broadcast_bytes(inputs):
+    """Return the bytes the leaders broadcast: none if each node reads its own."""
+    return 0.0 if inputs.bundle_per_node else inputs.bundle_bytes
 
 
 def broadcast_seconds(nbytes, nodes, machine):

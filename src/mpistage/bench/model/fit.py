@@ -29,12 +29,13 @@ def cell_inputs(cell, fitted):
     )
 
 
-def fit(cell, machine):
+def fit(cell, machine, mode=None):
     """Fit a mode's local costs from its 1-rank cell on *machine*.
 
     The launcher's ops are what the cell's processes did beyond rank 0 and
     the stage step; the per-node staging time is ``stage_s`` less the stage
-    step's metadata; the per-rank run time is what the total leaves.
+    step's metadata; the per-rank run time is what the total leaves. How
+    *mode* reads its bundle (once, or per node) is the built-in one's.
     """
     bundle = cell["bundle_bytes"]
     node_ops = cell["ops_stage_node"]
@@ -47,6 +48,7 @@ def fit(cell, machine):
         bytes_node=rest if node_ops else 0.0,
         bundle_bytes=bundle,
         write_s=staging_seconds(cell, machine),
+        bundle_per_node=DEFAULT_INPUTS.get(mode, Inputs()).bundle_per_node,
     )
     spent = predict(inputs, 1, 1, machine)["total"]
     inputs.run_s = max(cell["total_s"] - spent, 0.0)
@@ -66,7 +68,7 @@ def staging_seconds(cell, machine):
 def fits(table, machine):
     """Return ``{mode: fitted inputs}`` for every mode with a 1-rank cell."""
     return {
-        mode: fit(cell, machine)
+        mode: fit(cell, machine, mode)
         for (mode, ranks, _), cell in sorted(table.items())
         if ranks == 1
     }
@@ -110,7 +112,8 @@ def one_rank_ops(mode, table, inputs, notes):
     Rank 0 of the runner also checks the bundle, so its count overstates the
     others'; ``floor`` (the interpreter and mpi4py alone) is closer.
     """
-    if inputs.bundle_bytes and not inputs.ops_node and ("floor", 1, 1) in table:
+    runner = inputs.bundle_bytes and not (inputs.ops_node or inputs.bundle_per_node)
+    if runner and ("floor", 1, 1) in table:
         notes.append(f"{mode}: ops of ranks other than 0 taken from floor at 1 rank")
         return table[("floor", 1, 1)]["ops_rank0"]
     return table[next(k for k in table if k[0] == mode and k[1] == 1)]["ops_rank0"]

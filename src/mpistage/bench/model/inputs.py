@@ -19,6 +19,8 @@ COPY_OPS = 553  # a runner rank that imports mpi4py from its node's copy
 FIRST_OPS = 1626  # the node's first rank, which imports it for the node
 COPY_BYTES = 1e6  # what such a rank reads: the interpreter's start, mpistage's
 FIRST_BYTES = 35e6  # F's bytes and the libraries it copies for its node
+ENV_RANK_OPS = 12  # mpistage-env: the launcher's exec of the script, sh's read
+ENV_NODE_OPS = 5  # mpistage-env: the node's one open of the bundle
 
 
 def runner_inputs(rank0_extra):
@@ -40,6 +42,15 @@ DEFAULT_INPUTS = {
     "mpistage-trust": runner_inputs(rank0_extra=212),
     "staged-env": Inputs(
         ops_node=1829, bytes_node=F_BYTES, bundle_bytes=200e6, run_s=RUN_S
+    ),
+    # mpistage-env: a rank execs the script and sh reads it; one process per
+    # node opens the bundle and reads it whole (docs/benchmarks.md, 4b).
+    "env-launch": Inputs(
+        ops_rank=ENV_RANK_OPS,
+        ops_node=ENV_NODE_OPS,
+        bundle_bytes=200e6,
+        bundle_per_node=1.0,
+        run_s=RUN_S,
     ),
 }
 DEFAULT_SOURCE = (

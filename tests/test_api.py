@@ -19,7 +19,7 @@ STAGED_APP = """
 import os, sys
 from mpi4py import MPI
 import mpistage
-from mpistage.runtime.finders import StagedFinder, StagedHook
+from mpistage.runtime.activate import StagedFinder, StagedHook
 
 comm = MPI.COMM_WORLD
 hooks = list(sys.path_hooks)

@@ -145,6 +145,28 @@ def test_extension_and_its_library_are_staged(
     assert job_dirs(stage_dir) == []
 
 
+def test_live_an_extension_over_the_size_limit_loads_the_original(
+    tmp_path, stage_env, stage_dir, built
+):
+    """The reader leaves a file over its size limit to the ranks: the node's
+    copy lacks the extension even after a rank asked for it, and every rank
+    loads the original, as plain python does."""
+    from mpistage.runtime.live.reader import MAX_FILE
+
+    site = tmp_path / "site"
+    shutil.copytree(built, site, symlinks=True)
+    ext = next((site / "extpkg").glob("_ext*"))
+    os.truncate(ext, MAX_FILE + 1)  # sparse: the loader maps only its segments
+    target = write_target(tmp_path / "app.py", TARGET)
+    stage_env.update(PYTHONPATH=str(site), MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(3, ["-m", "mpistage", target], stage_env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    for res in results(stage_env, 3):
+        assert res["value"] == 42
+        assert res["ext"] == str(ext), res
+    assert job_dirs(stage_dir) == []
+
+
 def test_live_an_extension_whose_library_cannot_be_served_loads_the_original(
     tmp_path, stage_env, stage_dir, built
 ):

@@ -8,7 +8,9 @@ a hang is a failure. The classes:
 - the runner's ``-c`` finds modules as plain python does, also after
   ``os.chdir`` (``sys.path[0]`` is ``""``);
 - what cannot be mirrored under live imports is read from the original, and
-  the job goes on;
+  the job goes on; what the node's copy still lacks after a rank asked for
+  it (a file the user cannot read, a copy that is full) is imported as
+  plain python imports it, with the same error where plain python fails;
 - listings know what an entry is: a FIFO, a socket or a dangling link is
   neither a file nor a module;
 - in a forked child, live finders step aside as plain python's would.
@@ -16,11 +18,22 @@ a hang is a failure. The classes:
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 
 import pytest
 
-from stagetools import EMIT, PYTHON, job_dirs, mpirun, results, run, write_target
+from stagetools import (
+    EMIT,
+    MPIEXEC,
+    PYTHON,
+    job_dirs,
+    mpirun,
+    results,
+    run,
+    write_target,
+)
 
 pytestmark = pytest.mark.usefixtures("reap_mpich_shm")
 NODES = {"MPISTAGE_EMULATE_NODES": "2"}
@@ -136,6 +149,106 @@ def test_what_cannot_be_mirrored_is_read_from_the_original(
     assert result.returncode == 0, result
     assert results(env, 4) == [expected] * 4
     assert job_dirs(tmp_path / "stage") == []
+
+
+# -- what the copy still lacks after asking is plain python's ------------------------
+
+TRY_IMPORTS = """
+import importlib
+got = {}
+for name in NAMES:
+    try:
+        got[name] = importlib.import_module(name).VALUE
+    except Exception as exc:
+        got[name] = [type(exc).__name__, getattr(exc, "errno", None)]
+emit(got)
+"""
+
+
+def try_imports(tmp_path, names):
+    """Write a target that imports *names* and emits each VALUE or error."""
+    body = f"NAMES = {list(names)!r}\n" + TRY_IMPORTS
+    return write_target(tmp_path / "tries.py", body)
+
+
+def plain_then_live(tmp_path, env, target, prefix=()):
+    """Run *target* with plain python, then live on 4 ranks; return both results."""
+    plain = run([*prefix, PYTHON, target], env=env, cwd=tmp_path)
+    assert plain.returncode == 0, plain
+    expected = json.loads((tmp_path / "out" / "plain.json").read_text())
+    (tmp_path / "out" / "plain.json").unlink()
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec next to this Python nor on PATH")
+    args = [*prefix, MPIEXEC, "-n", "4", PYTHON, "-m", "mpistage", target]
+    result = run(args, env=dict(env, **NODES), cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    return expected, results(env, 4)
+
+
+def as_a_user():
+    """The command prefix under which file permissions hold (root: no DAC override)."""
+    if os.geteuid() != 0:
+        return ()
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv(1): permissions cannot be made to hold")
+    caps = "-dac_override,-dac_read_search"
+    return ("setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}")
+
+
+def test_a_file_the_user_cannot_read_fails_as_with_plain_python(tmp_path, stage_env):
+    """The reader cannot read it, so the copy never holds it: the rank's own
+    import meets the same ``PermissionError`` plain python meets."""
+    site = tmp_path / "site"
+    (site / "lockedpkg").mkdir(parents=True)
+    (site / "locked.py").write_text("VALUE = 'locked'\n")
+    (site / "lockedpkg" / "__init__.py").write_text("VALUE = 'lockedpkg'\n")
+    (site / "readable.py").write_text("VALUE = 'readable'\n")
+    for path in (site / "locked.py", site / "lockedpkg" / "__init__.py"):
+        path.chmod(0)
+    env = dict(stage_env, PYTHONPATH=str(site))
+    target = try_imports(tmp_path, ["locked", "lockedpkg", "readable"])
+    expected, got = plain_then_live(tmp_path, env, target, as_a_user())
+    denied = ["PermissionError", 13]
+    assert expected == {"locked": denied, "lockedpkg": denied, "readable": "readable"}
+    assert got == [expected] * 4
+    assert job_dirs(tmp_path / "stage") == []
+
+
+@pytest.fixture
+def small_stage_dir(tmp_path):
+    """A 1 MiB tmpfs as the only staging candidate: a full ``/dev/shm``."""
+    point = tmp_path / "small"
+    point.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    args = ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(point)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield point
+    subprocess.run(["umount", "-l", str(point)], timeout=30, check=False)
+
+
+def test_a_full_copy_leaves_imports_to_the_originals(
+    tmp_path, stage_env, small_stage_dir
+):
+    """Modules of 400 KiB fill a node's 1 MiB copy after two: the mirror's
+    writes fail, and the ranks import the rest from the originals."""
+    site = tmp_path / "site"
+    site.mkdir()
+    names = [f"big{i}" for i in range(5)]
+    for name in names:
+        (site / f"{name}.py").write_text(
+            f"VALUE = {name!r}\nPAD = {'x' * (400 << 10)!r}\n"
+        )
+    (site / "smallpkg").mkdir()
+    (site / "smallpkg" / "__init__.py").write_text("VALUE = 'small'\n")
+    env = dict(stage_env, PYTHONPATH=str(site), MPISTAGE_STAGE_DIR=str(small_stage_dir))
+    target = try_imports(tmp_path, [*names, "smallpkg"])
+    expected, got = plain_then_live(tmp_path, env, target)
+    assert expected == {name: name for name in names} | {"smallpkg": "small"}
+    assert got == [expected] * 4
+    assert job_dirs(small_stage_dir) == []
 
 
 # -- listings know what an entry is --------------------------------------------------

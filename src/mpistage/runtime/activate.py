@@ -2,31 +2,352 @@
 
 Activation changes four things, and :func:`deactivate` undoes them:
 
-- a path hook first in ``sys.path_hooks`` (:class:`~.finders.StagedHook`)
-  serves each bundled sys.path root from the staged copy, whether the root
-  is on ``sys.path`` now or is added later; ``sys.path`` is left as it is;
-- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`~.finders.MetadataFinder`)
+- a path hook first in ``sys.path_hooks`` (:class:`StagedHook`) serves
+  each bundled sys.path root from the staged copy, whether the root is on
+  ``sys.path`` now or is added later; ``sys.path`` is left as it is;
+- ``PathFinder`` in ``sys.meta_path`` is wrapped (:class:`MetadataFinder`)
   so that ``importlib.metadata`` reads distributions from the staged copy;
 - other meta path finders (setuptools' finder-based editable installs) are
-  wrapped (:class:`~.finders.RedirectFinder`) so that what they find in a bundled tree
-  is loaded from the staged copy too;
+  wrapped (:class:`RedirectFinder`) so that what they find in a bundled
+  tree is loaded from the staged copy too;
 - ``PYTHONPATH`` gains a node-local directory whose ``sitecustomize``
   activates the same copy in child processes (``subprocess``,
   ``multiprocessing`` with spawn or forkserver) for the life of the job.
 
+The finders are thin subclasses of :mod:`~mpistage.runtime.finders`', the
+one way imports are served (live imports stand on it too); what is
+bundled about them is where listings and files come from. A bundled root's
+finder (:class:`StagedFinder`) answers from the staged copy and the
+manifest's listing:
+
+- a name in the bundle is found in the staged copy;
+- a name the original root does not hold is answered "not here" from the
+  listing, without the file system;
+- a name the original holds but the bundle lacks is found in the original
+  (correct, slower, counted as a miss).
+
+"Holds" is decided as ``FileFinder`` decides it, from the listing of the
+directory (the root's, or for a directory the bundle holds in part, the one
+recorded in the manifest), so a module the bundle does not hold is found
+exactly where plain python finds it.
+
+Which ``__file__`` a served module gets: files that an installed
+distribution owns (site-packages) are served with their staged paths, so C
+extensions find their ``$ORIGIN`` libraries and data read relative to
+``__file__`` is node-local too. Source files no distribution owns (the
+script's directory, ``--path`` trees, a package under development, test
+files) and the standard library's keep their original ``__file__``: pytest
+and coverage compare it with files they find on disk, and coverage knows
+the standard library by its place. Their bytes still come from the staged
+copy (:class:`TransparentLoader`).
+
 ``pkgutil.iter_modules`` lists bundled roots from their listings, and
 ``pkg_resources`` builds its working set from the staged copies. After a
 ``staged()`` block, modules imported inside it are pointed back at the
-originals (:func:`repoint`). The finders and loaders themselves are
-:mod:`~mpistage.runtime.finders`'; what was served is
+originals (:func:`~mpistage.runtime.finders.repoint`). What was served is
 :func:`mpistage.runtime.report.classify`'s to say.
 """
 
 import os as _os
 import sys as _sys
 
+from mpistage.runtime import finders as _finders
+
 CHILD_PLAN = ".mpistage-plan.json"
 CHILD_ENV = "MPISTAGE_CHILD"
+
+
+class BundledRoot:
+    """What activation knows of one bundled root."""
+
+    def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):
+        from mpistage.runtime.roots import module_names
+
+        self.path, self.staged, self.listing = path, staged, listing
+        self.names = module_names(listing)
+        self.partial, self.owned = dict(partial or {}), frozenset(owned)
+        self.stdlib, self.unbundled_dists = stdlib, False
+
+    def names_in(self, rel):
+        """The names a lookup in directory *rel* of this root may find in the original.
+
+        Empty for a directory the bundle holds whole; for one it holds in
+        part, the names of the listing recorded when it was bundled (the
+        staleness check keeps that true); ``None`` (ask the original every
+        time) when no listing was recorded.
+        """
+        from mpistage.runtime.roots import module_names
+
+        if rel not in self.partial:
+            return frozenset()
+        found = self.partial[rel]
+        if isinstance(found, list):
+            found = self.partial[rel] = frozenset(module_names(found))
+        return found
+
+    def transparent(self, rel):
+        """Whether the source file *rel* keeps its original ``__file__``."""
+        return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
+
+    def metadata_paths(self):
+        """Where ``importlib.metadata`` looks for this root's distributions."""
+        found = [self.staged] if self.staged else []
+        return found + [self.path] if self.unbundled_dists else found
+
+
+class StagedFinder(_finders.ServingFinder):
+    """The path entry finder of one bundled directory: staged copy, then original.
+
+    Listings are the staged copy's (node-local, read once); *names* are the
+    module names the original holds (``None``: unknown, so try the original
+    on every miss).
+    """
+
+    def __init__(self, root, original, staged, names):
+        super().__init__(original)
+        self.root, self.staged, self.names = root, staged, names
+        self.listed = {}
+
+    def __repr__(self):
+        return f"StagedFinder({self.path!r}, staged={self.staged!r})"
+
+    def listing(self, folder):
+        """The staged copy's listing of the original *folder* (none without a copy)."""
+        if self.staged is None:
+            return None
+        copy = self.copy(folder)
+        if copy not in self.listed:
+            self.listed[copy] = _finders.local_listing(copy)
+        return self.listed[copy]
+
+    def copy(self, path):
+        """Return where *path*, at or below this directory, is in the staged copy."""
+        return self.staged + path[len(self.path) :]
+
+    def holds(self, name, kind, path):
+        """The staged copy holds whatever its listing shows."""
+        return True
+
+    def unlisted(self, fullname, target):
+        """A name the copy lacks: the original's, if its listing holds it."""
+        if self.names is None or fullname.rpartition(".")[2] in self.names:
+            return self.regular().find_spec(fullname, target)
+        return None
+
+    def keeps_original(self, path):
+        """Whether the source *path* keeps its original ``__file__``."""
+        return self.root.transparent(path[len(self.root.path) + 1 :])
+
+    def source_loader(self, fullname, path):
+        """The loader of a source that keeps its original ``__file__``."""
+        return TransparentLoader(fullname, path, self.root)
+
+    def below(self, path):
+        """Return the finder of a directory *path* inside this root, or ``None``.
+
+        Packages imported before activation keep their original ``__path__``;
+        their submodules are served from the staged copy all the same. A
+        directory the bundle holds whole answers absent names itself; one it
+        holds in part falls back to the original for the names it left out.
+        """
+        if self.staged is None or not path.startswith(self.path + _os.sep):
+            return None
+        rel = path[len(self.path) + 1 :]
+        inside = _os.path.join(self.staged, rel)
+        if not _os.path.isdir(inside):
+            return None
+        return StagedFinder(self.root, path, inside, self.root.names_in(rel))
+
+    def entries(self):
+        """The directory's entries: the root's recorded listing, else the copy's."""
+        from mpistage.runtime.roots import listing
+
+        if self.path == self.root.path:
+            return self.root.listing
+        return self.listing(self.path) if self.staged else listing(self.path)
+
+    def is_package(self, name):
+        """Whether the directory *name* holds an ``__init__`` module.
+
+        One the staged copy lacks (the bundle left it out) is looked at in
+        the original.
+        """
+        if self.staged and _os.path.isdir(_os.path.join(self.staged, name)):
+            return super().is_package(name)
+        folder = _os.path.join(self.path, name)
+        if not _os.path.isdir(folder):
+            return False
+        return any(_finders.module_name(e) == "__init__" for e in _os.listdir(folder))
+
+    def invalidate_caches(self):
+        """Drop the cached listings, the copy's and the regular finder's."""
+        self.listed.clear()
+        super().invalidate_caches()
+
+
+class StagedHook(_finders.ServingHook):
+    """A path hook that hands out a :class:`StagedFinder` for bundled directories.
+
+    It serves each bundled root, each directory inside one (a package's
+    ``__path__`` may point to the original) and, for packages the bundle
+    holds in part, their directories in the staged copy.
+    """
+
+    def __init__(self, finders, partial=None):
+        self.finders, self.partial = finders, partial or {}
+
+    def finder(self, folder):
+        """Return the finder of *folder*: a bundled root, a directory in one, a copy."""
+        finder = self.finders.get(folder) or self.partial.get(folder)
+        for root in self.finders.values():
+            finder = finder or root.below(folder)
+        return finder
+
+
+class TransparentLoader(_finders.CopyLoader):
+    """Load a source module from the staged copy under its original path."""
+
+    def __init__(self, fullname, path, root):
+        super().__init__(fullname, path)
+        self.root = root
+
+    def staged_path(self, path):
+        """Map a path below the original root to the staged copy."""
+        head = self.root.path + _os.sep
+        if self.root.staged is None or not path.startswith(head):
+            return path  # activation has ended: the original is what there is
+        return self.root.staged + path[len(self.root.path) :]
+
+    def get_resource_reader(self, name):
+        """Serve ``importlib.resources`` of the package from the staged copy."""
+        from importlib.resources.readers import FileReader
+
+        reader = FileReader(self)
+        reader.path = type(reader.path)(self.staged_path(str(reader.path)))
+        return reader
+
+
+# -- the rest of the ecosystem: metadata, pkg_resources, other finders ---------------
+
+
+def register_pkg_resources(pkg_resources):
+    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
+
+    def find_staged(importer, path_item, only=False):
+        for path in importer.root.metadata_paths():
+            yield from pkg_resources.find_on_path(importer, path, only)
+
+    pkg_resources.register_finder(StagedFinder, find_staged)
+
+
+class MetadataFinder(_finders.ServingMetaFinder):
+    """Stands in for ``PathFinder``: distributions of bundled roots from the copy.
+
+    ``importlib.metadata`` looks at the staged copy of each bundled root,
+    and at the original after it only when the original holds distributions
+    the bundle lacks. ``pkgutil`` and ``pkg_resources`` are told of the
+    staged roots when they are imported.
+    """
+
+    AFTER = dict(_finders.ServingMetaFinder.AFTER, pkg_resources=register_pkg_resources)
+
+    def __init__(self, base, roots):
+        super().__init__(base)
+        self.roots = roots
+
+    def distributions(self, folder, name):
+        """The distributions of a bundled root: its copy's, and maybe its own."""
+        from importlib.metadata import DistributionFinder
+
+        root = self.roots.get(folder)
+        if root is None:
+            return None
+        path = root.metadata_paths()
+        return self.base.find_distributions(
+            DistributionFinder.Context(name=name, path=path)
+        )
+
+    def run(self, loader, module):
+        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
+
+        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
+        is imported; scanning the staged copies keeps that node-local.
+        """
+        saved = _sys.path[:]
+        if module.__name__ == "pkg_resources":
+            _sys.path[:] = metadata_path(saved, self.roots)
+        try:
+            loader.exec_module(module)
+        finally:
+            _sys.path[:] = saved
+
+
+def metadata_path(entries, roots):
+    """Return *entries* with each bundled root replaced by where its metadata is.
+
+    A root the bundle holds nothing of stays (``pkg_resources`` also imports
+    through this path while it scans).
+    """
+    path = []
+    for entry in entries:
+        root = roots.get(_os.path.abspath(entry or "."))
+        if root is None or root.staged is None:
+            path.append(entry)
+        else:
+            path += root.metadata_paths()
+    return path
+
+
+class RedirectFinder(_finders.MetaWrapper):
+    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
+
+    def __init__(self, base, finders):
+        super().__init__(base)
+        self.finders = finders
+
+    def find_spec(self, fullname, path=None, target=None):
+        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
+        spec = self.base.find_spec(fullname, path, target)
+        if spec is None or not spec.has_location:
+            return spec
+        kinds = {loader: kind for kind, loader in _finders.LOADERS.items()}
+        kind = kinds.get(type(spec.loader))
+        if kind is None:
+            return spec  # A loader of its own (pytest's rewriting): left alone.
+        return staged_spec(spec, kind, self.finders) or spec
+
+
+def staged_spec(spec, kind, finders):
+    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
+    for finder in finders.values():
+        if finder.staged and spec.origin.startswith(finder.path + _os.sep):
+            if not _os.path.isfile(finder.copy(spec.origin)):
+                return None
+            package = spec.submodule_search_locations is not None
+            search = [_os.path.dirname(spec.origin)] if package else None
+            return finder.spec(spec.name, kind, spec.origin, search)
+    return None
+
+
+def wrap_meta_finders(finders):
+    """Wrap the meta path finders that are not the standard ones; return them."""
+    from importlib.machinery import BuiltinImporter, FrozenImporter
+
+    standard = (BuiltinImporter, FrozenImporter)
+    wrapped = []
+    for index, finder in enumerate(_sys.meta_path):
+        if finder in standard or isinstance(finder, MetadataFinder):
+            continue
+        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
+            continue
+        if not hasattr(finder, "find_spec"):
+            continue
+        _sys.meta_path[index] = RedirectFinder(finder, finders)
+        wrapped.append(_sys.meta_path[index])
+    return wrapped
+
+
+# -- activation and its end ----------------------------------------------------------
 
 
 class Activation:
@@ -39,7 +360,6 @@ class Activation:
 
 def roots_of(staged):
     """Return ``{original path: BundledRoot}`` for every root of a staged bundle."""
-    from mpistage.runtime.finders import BundledRoot
     from mpistage.runtime.roots import destinations, partial_dirs
 
     manifest, roots = staged.manifest, {}
@@ -80,8 +400,6 @@ def unbundled_dists(listing, copy):
 
 def finders_of(roots):
     """Return the root finders and the finders of partly held directories."""
-    from mpistage.runtime.finders import StagedFinder
-
     finders, partial = {}, {}
     for path, root in roots.items():
         finders[path] = StagedFinder(root, path, root.staged, root.names)
@@ -91,131 +409,46 @@ def finders_of(roots):
     return finders, partial
 
 
-def forget(finders):
-    """Drop cached path finders of bundled roots and of directories inside them."""
-    roots = tuple(root + _os.sep for root in finders)
-    for path in list(_sys.path_importer_cache):
-        full = _os.path.abspath(path or ".")
-        if full in finders or full.startswith(roots):
-            del _sys.path_importer_cache[path]
-
-
 def activate(staged, children=True):
     """Serve the bundled roots of *staged* from its node-local copy."""
     import importlib
 
-    from mpistage.runtime.finders import (
-        StagedHook,
-        import_serving,
-        install_metadata_finder,
-        register_pkgutil,
-        wrap_meta_finders,
-    )
-
-    import_serving()
+    _finders.import_serving()
     roots = roots_of(staged)
     finders, partial = finders_of(roots)
     hook = StagedHook(finders, partial)
     _sys.path_hooks.insert(0, hook)
-    meta = install_metadata_finder(roots)
-    wrapped = wrap_meta_finders(roots)
-    forget(finders)
+    meta = _finders.stand_in(lambda base: MetadataFinder(base, roots))
+    wrapped = wrap_meta_finders(finders)
+    inside = tuple(root + _os.sep for root in finders)
+    _finders.forget(lambda path: path in finders or path.startswith(inside))
     importlib.invalidate_caches()
     if "pkgutil" in _sys.modules:
-        register_pkgutil(_sys.modules["pkgutil"])
+        _finders.register_pkgutil(_sys.modules["pkgutil"])
     environ = inherit(staged) if children else None
     before = set(_sys.modules)
     return Activation(staged.path, hook, meta, wrapped, before, environ, roots)
 
 
 def deactivate(activation):
-    """Undo :func:`activate`: hooks and finders as before, caches dropped."""
-    import importlib
+    """Undo :func:`activate`: hooks and finders as before, caches dropped.
 
-    from mpistage.runtime.finders import StagedFinder
+    What was loaded from the staged copy is pointed back at the originals,
+    and sources served under their original path are read from there.
+    """
+    import importlib
 
     if activation.hook in _sys.path_hooks:
         _sys.path_hooks.remove(activation.hook)
-    for index, finder in enumerate(_sys.meta_path):
-        if finder is activation.meta or finder in activation.wrapped:
-            _sys.meta_path[index] = finder.base
-    for path, finder in list(_sys.path_importer_cache.items()):
-        if isinstance(finder, StagedFinder):
-            del _sys.path_importer_cache[path]
+    _finders.step_aside([activation.meta, *activation.wrapped])
+    _finders.drop_finders(StagedFinder)
     if activation.environ is not None:
         restore(activation.environ)
-    repoint(activation.roots)
-    importlib.invalidate_caches()
-
-
-def repoint(roots):
-    """Point what was loaded from the staged copy back at the originals.
-
-    The copy is removed when activation ends. A package whose ``__path__``
-    named it could import no submodule it had not imported yet, and a
-    ``__file__`` naming it would lead to a file that is gone: so every
-    module's ``__file__``, ``__cached__``, ``__path__``, spec and loader
-    path, and ``sys.path``, are mapped to the originals, and source served
-    under its original path is read from there.
-    """
-    copies = [(r.staged, r.path) for r in roots.values() if r.staged]
-    if not copies:
-        return
-
-    def original(path):
-        for copy, orig in copies:
-            if isinstance(path, str) and (path + _os.sep).startswith(copy + _os.sep):
-                return orig + path[len(copy) :]
-        return path
-
-    for module in list(_sys.modules.values()):
-        repoint_module(module, original)
-    _sys.path[:] = [original(p) for p in _sys.path]
-    for root in roots.values():
+    roots = activation.roots.values()
+    _finders.repoint([(r.staged, r.path) for r in roots if r.staged])
+    for root in roots:
         root.staged = None
-
-
-def namespace_of(module):
-    """Return a module's ``__dict__`` without running its code, or ``None``.
-
-    A lazily loaded module (``importlib.util.LazyLoader``) would load itself
-    on any attribute looked up the usual way.
-    """
-    from types import ModuleType
-
-    if not isinstance(module, ModuleType):
-        return None
-    return object.__getattribute__(module, "__dict__")
-
-
-def repoint_module(module, original):
-    """Map the paths of one module (see :func:`repoint`) with *original*."""
-    namespace = namespace_of(module)
-    if namespace is None:
-        return
-    for key in ("__file__", "__cached__"):
-        if isinstance(namespace.get(key), str):
-            namespace[key] = original(namespace[key])
-    spec = namespace.get("__spec__")
-    for paths in (
-        namespace.get("__path__"),
-        getattr(spec, "submodule_search_locations", None),
-    ):
-        paths = getattr(paths, "_path", paths)  # a namespace package's path
-        if isinstance(paths, list):
-            paths[:] = [original(p) for p in paths]
-    if spec is not None and isinstance(getattr(spec, "origin", None), str):
-        spec.origin = original(spec.origin)
-        if spec.cached:
-            spec.cached = original(spec.cached)
-    for loader in {
-        id(x): x for x in (namespace.get("__loader__"), getattr(spec, "loader", None))
-    }.values():
-        if isinstance(getattr(loader, "path", None), str):
-            try:
-                loader.path = original(loader.path)
-            except AttributeError:
-                pass  # a loader whose path cannot be set
+    importlib.invalidate_caches()
 
 
 # -- child processes ---------------------------------------------------------------

@@ -1,37 +1,29 @@
-"""The finders and loaders that serve a bundled root from its staged copy.
+"""One way to serve imports: what bundled and live imports both stand on.
 
-:class:`StagedFinder` is the path entry finder of one bundled root (or of a
-directory inside one). It is a ``FileFinder`` to the rest of the ecosystem,
-so ``pkg_resources`` and ``pkgutil`` treat bundled roots as the directories
-they are, and it answers from the staged copy and the manifest's listing:
+A rank imports from its node's *copy* of the originals: the staged copy of a
+bundle (:mod:`~mpistage.runtime.activate`) or the live copy the reader fills
+as the job runs (:mod:`~mpistage.runtime.live.finder`). Both are served by
+the same machinery, and differ only in where listings and files come from:
 
-- a name in the bundle is found in the staged copy;
-- a name the original root does not hold is answered "not here" from the
-  listing, without the file system;
-- a name the original holds but the bundle lacks is found in the original
-  (correct, slower, counted as a miss).
+- *listings*: a directory's entries, directories ending in ``/``, what is no
+  regular file or directory marked (:func:`listed_entry`);
+- :func:`locate` decides from listings what ``FileFinder`` would find: an
+  extension, source, bytecode, a package or a namespace portion; so a name
+  that is not there is answered without the file system;
+- :class:`ServingFinder` is the path entry finder of one served directory:
+  it locates, loads what it found from the copy (a source module keeps its
+  original ``__file__`` where the subclass says so, :class:`CopyLoader`),
+  and asks the regular finder (:func:`regular_finder`, never one of
+  mpistage's) for what the copy cannot serve; it lists modules for
+  ``pkgutil.iter_modules`` (:func:`register_pkgutil`);
+- :class:`ServingMetaFinder` stands in for ``PathFinder``: it finds
+  distributions for ``importlib.metadata`` and tells modules such as
+  ``pkgutil`` of the finders when they are imported;
+- :func:`repoint` points what was loaded from a copy back at the originals
+  before the copy is removed.
 
-"Holds" is decided as ``FileFinder`` decides it, from the listing of the
-directory (the root's, or for a directory the bundle holds in part, the one
-recorded in the manifest), so a module the bundle does not hold is found
-exactly where plain python finds it.
-
-Which ``__file__`` a served module gets: files that an installed
-distribution owns (site-packages) are served with their staged paths, so C
-extensions find their ``$ORIGIN`` libraries and data read relative to
-``__file__`` is node-local too. Source files no distribution owns (the
-script's directory, ``--path`` trees, a package under development, test
-files) and the standard library's keep their original ``__file__``: pytest
-and coverage compare it with files they find on disk, and coverage knows
-the standard library by its place. Their bytes still come from the staged
-copy (:class:`TransparentLoader`).
-
-The rest of the import ecosystem is served by wrappers kept here too:
-:class:`MetadataFinder` (``importlib.metadata`` from the staged copy, and
-``pkgutil``/``pkg_resources`` told of the staged roots when imported) and
-:class:`RedirectFinder` (other meta path finders, such as setuptools'
-editable installs, load what they find in a bundled tree from the copy).
-:mod:`~mpistage.runtime.activate` puts them in place and takes them away.
+What serving needs is imported before any finder is installed
+(:data:`SERVING`).
 """
 
 import os as _os
@@ -46,8 +38,15 @@ from _frozen_importlib_external import (  # noqa: F401  (one home, see SERVING)
     cache_from_source,
     spec_from_file_location,
 )
+from importlib.machinery import BYTECODE_SUFFIXES as _BYTECODE_SUFFIXES
+from importlib.machinery import EXTENSION_SUFFIXES as _EXTENSION_SUFFIXES
+from importlib.machinery import SOURCE_SUFFIXES as _SOURCE_SUFFIXES
+from importlib.machinery import ExtensionFileLoader as _ExtensionFileLoader
 from importlib.machinery import FileFinder as _FileFinder
+from importlib.machinery import ModuleSpec as _ModuleSpec
+from importlib.machinery import PathFinder as _PathFinder
 from importlib.machinery import SourceFileLoader as _SourceFileLoader
+from importlib.machinery import SourcelessFileLoader as _SourcelessFileLoader
 
 # What mpistage's finders (bundled and live), the live request path and the
 # runner use while they serve imports. It is imported before any of them is
@@ -64,6 +63,17 @@ SERVING = (
     "mpistage.runtime.finders",
 )
 
+# The loader of each kind of module file :func:`locate` finds.
+LOADERS = {
+    "extension": _ExtensionFileLoader,
+    "source": _SourceFileLoader,
+    "bytecode": _SourcelessFileLoader,
+}
+
+# Marks of listing entries that are no regular file or directory (no file
+# name holds a NUL): a FIFO, socket or device; a link to nothing.
+OTHER, DANGLING = "\0o", "\0x"
+
 
 def import_serving(names=SERVING):
     """Import what serving imports needs, before any finder is installed."""
@@ -73,126 +83,109 @@ def import_serving(names=SERVING):
         importlib.import_module(name)
 
 
-class BundledRoot:
-    """What activation knows of one bundled root."""
-
-    def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):
-        from mpistage.runtime.roots import module_names
-
-        self.path, self.staged, self.listing = path, staged, listing
-        self.names = module_names(listing)
-        self.partial, self.owned = dict(partial or {}), frozenset(owned)
-        self.stdlib, self.unbundled_dists = stdlib, False
-
-    def names_in(self, rel):
-        """The names a lookup in directory *rel* of this root may find in the original.
-
-        Empty for a directory the bundle holds whole; for one it holds in
-        part, the names of the listing recorded when it was bundled (the
-        staleness check keeps that true); ``None`` (ask the original every
-        time) when no listing was recorded.
-        """
-        from mpistage.runtime.roots import module_names
-
-        if rel not in self.partial:
-            return frozenset()
-        found = self.partial[rel]
-        if isinstance(found, list):
-            found = self.partial[rel] = frozenset(module_names(found))
-        return found
-
-    def transparent(self, rel):
-        """Whether the source file *rel* keeps its original ``__file__``."""
-        return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
-
-    def metadata_paths(self):
-        """Where ``importlib.metadata`` looks for this root's distributions."""
-        found = [self.staged] if self.staged else []
-        return found + [self.path] if self.unbundled_dists else found
+class Unknown(LookupError):
+    """A listing that cannot be had: the regular finder looks instead."""
 
 
-class StagedFinder(_FileFinder):
-    """The path entry finder of one bundled directory: staged copy, then original.
+# -- listings ------------------------------------------------------------------------
 
-    *names* are the module names the original holds (``None``: unknown, so
-    try the original on every miss).
+
+def listed_entry(entry):
+    """Return a directory entry as listings hold it: what it is, marked.
+
+    A directory ends in ``/``; a regular file is its name; anything else is
+    marked (:data:`OTHER`, :data:`DANGLING`), so that it is neither a module
+    nor a file to the finders. Only those cost a stat.
     """
+    try:
+        if entry.is_dir():
+            return entry.name + "/"
+        if entry.is_file():
+            return entry.name
+        entry.stat()
+        return entry.name + OTHER
+    except OSError:
+        return entry.name + DANGLING
 
-    def __init__(self, root, original, staged, names):
-        super().__init__(original)
-        self.root, self.staged, self.names = root, staged, names
-        self._finders = {}
 
-    def __repr__(self):
-        return f"StagedFinder({self.path!r}, staged={self.staged!r})"
+def local_listing(path):
+    """Return the listing of the node-local directory *path*.
 
-    def finder(self, path):
-        """Return the regular finder of *path*, made once by the other hooks."""
-        if path not in self._finders:
-            self._finders[path] = regular_finder(path)
-        return self._finders[path]
-
-    def find_spec(self, fullname, target=None):
-        """Find *fullname* in the staged copy, else where the listing says."""
-        spec = None
-        if self.staged is not None:
-            spec = self.finder(self.staged).find_spec(fullname, target)
-            if spec is not None:
-                return self.present(spec)
-        if self.names is None or fullname.rpartition(".")[2] in self.names:
-            spec = self.finder(self.path).find_spec(fullname, target)
-        return spec
-
-    def present(self, spec):
-        """Give a spec found in the staged copy the ``__file__`` it should show."""
-        if not spec.has_location or not spec.origin or not self.root.staged:
-            return spec
-        if not self.root.transparent(_os.path.relpath(spec.origin, self.root.staged)):
-            return spec
-        return transparent_spec(spec, self.root)
-
-    def below(self, path):
-        """Return the finder of a directory *path* inside this root, or ``None``.
-
-        Packages imported before activation keep their original ``__path__``;
-        their submodules are served from the staged copy all the same. A
-        directory the bundle holds whole answers absent names itself; one it
-        holds in part falls back to the original for the names it left out.
-        """
-        if self.staged is None or not path.startswith(self.path + _os.sep):
-            return None
-        rel = path[len(self.path) + 1 :]
-        inside = _os.path.join(self.staged, rel)
-        if not _os.path.isdir(inside):
-            return None
-        return StagedFinder(self.root, path, inside, self.root.names_in(rel))
-
-    def iter_modules(self, prefix=""):
-        """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
-        return listed_modules(self.entries(), self.is_package, prefix)
-
-    def entries(self):
-        """The directory's entries, directories ending in ``/``: listing or copy."""
-        from mpistage.runtime.roots import listing
-
-        if self.path == self.root.path:
-            return self.root.listing
-        return listing(self.staged or self.path)
-
-    def is_package(self, name):
-        """Whether the directory *name* holds an ``__init__`` module."""
-        for base in (self.staged, self.path):
-            if base and _os.path.isdir(_os.path.join(base, name)):
-                return any(
-                    entry.startswith("__init__.")
-                    for entry in _os.listdir(_os.path.join(base, name))
-                )
+    ``None`` when there is none, ``False`` when *path* is no directory.
+    """
+    try:
+        with _os.scandir(path) as entries:
+            return tuple(sorted(listed_entry(e) for e in entries))
+    except NotADirectoryError:
         return False
+    except OSError:
+        return None
 
-    def invalidate_caches(self):
-        """Drop the cached directory listings of both finders."""
-        for finder in self._finders.values():
-            finder.invalidate_caches()
+
+def entry_name(entry):
+    """Return the name a listing *entry* stands for, without its mark."""
+    return entry.partition("\0")[0].rstrip("/")
+
+
+def entry_kind(entries, name):
+    """Return ``dir``, ``file``, ``other``, ``dangling`` or ``absent``."""
+    for mark, kind in (("/", "dir"), ("", "file"), (OTHER, "other")):
+        if name + mark in entries:
+            return kind
+    return "dangling" if name + DANGLING in entries else "absent"
+
+
+def plain(entries):
+    """Return listing *entries* without the marks of what is no file or dir."""
+    if not entries:
+        return entries
+    return tuple(e if e.endswith("/") else entry_name(e) for e in entries)
+
+
+def loader_kinds():
+    """Return (kind, suffixes) in the order ``FileFinder`` tries them."""
+    return (
+        ("extension", _EXTENSION_SUFFIXES),
+        ("source", _SOURCE_SUFFIXES),
+        ("bytecode", _BYTECODE_SUFFIXES),
+    )
+
+
+def locate(listing_of, folder, name):
+    """Find the module *name* in *folder* as ``FileFinder`` would.
+
+    *listing_of(path)* returns a directory's entries (directories end in
+    ``/``), or ``None``/``False`` when there is none. Returns ``(kind,
+    path, search)``: kind ``extension``, ``source``, ``bytecode`` or
+    ``namespace``; *search* is the package's directory list, else ``None``.
+    Returns ``None`` when *folder* holds no such module.
+    """
+    entries = listing_of(folder)
+    if not entries:
+        return None
+    base, namespace = f"{folder}/{name}", False
+    if name + "/" in entries:
+        inside = listing_of(base) or ()
+        for kind, suffixes in loader_kinds():
+            for suffix in suffixes:
+                if "__init__" + suffix in inside:
+                    return kind, f"{base}/__init__{suffix}", [base]
+        namespace = True
+    for kind, suffixes in loader_kinds():
+        for suffix in suffixes:
+            if name + suffix in entries:
+                return kind, f"{folder}/{name}{suffix}", None
+    return ("namespace", base, [base]) if namespace else None
+
+
+def module_name(filename):
+    """Return the module name of *filename* as ``inspect.getmodulename`` does."""
+    from mpistage.runtime.roots import import_suffixes
+
+    for suffix in sorted(import_suffixes(), key=len, reverse=True):
+        if filename.endswith(suffix):
+            return filename[: -len(suffix)]
+    return None
 
 
 def listed_modules(entries, is_package, prefix=""):
@@ -215,21 +208,15 @@ def listed_modules(entries, is_package, prefix=""):
                 yield prefix + module, package
 
 
-def module_name(filename):
-    """Return the module name of *filename* as ``inspect.getmodulename`` does."""
-    from mpistage.runtime.roots import import_suffixes
-
-    for suffix in sorted(import_suffixes(), key=len, reverse=True):
-        if filename.endswith(suffix):
-            return filename[: -len(suffix)]
-    return None
+# -- the regular finder: what reads the originals --------------------------------------
 
 
 def regular_finder(path):
     """Return the finder the standard path hooks give *path*.
 
     Every hook of mpistage is skipped (bundled and live ones): the regular
-    finder is what reads the originals when a copy cannot serve.
+    finder is what reads the originals when a copy cannot serve, and asking
+    a finder of ours again would only come back here.
     """
     for hook in _sys.path_hooks:
         if not getattr(hook, "mpistage_hook", False):
@@ -255,141 +242,226 @@ class NoFinder:
         return iter(())
 
 
-class StagedHook:
-    """A path hook that hands out a :class:`StagedFinder` for bundled directories.
+# -- the path hook, the path entry finder and the source loader ----------------------
 
-    It serves each bundled root, each directory inside one (a package's
-    ``__path__`` may point to the original) and, for packages the bundle
-    holds in part, their directories in the staged copy.
+
+class ServingHook:
+    """A path hook first in ``sys.path_hooks``: a finder for each served directory.
+
+    Subclasses say which directories they serve (:meth:`finder`).
     """
 
     mpistage_hook = True  # not a regular hook (regular_finder)
 
-    def __init__(self, finders, partial=None):
-        self.finders, self.partial = finders, partial or {}
-
     def __call__(self, path):
-        """Return the finder of *path*: a bundled root, a directory in one, a copy."""
-        path = _os.path.abspath(path or ".")
-        finder = self.finders.get(path) or self.partial.get(path)
-        for root in self.finders.values():
-            finder = finder or root.below(path)
+        """Return the finder of *path*, or refuse it as no finder of ours."""
+        finder = self.finder(_os.path.abspath(path or "."))
         if finder is None:
-            raise ImportError("not a bundled root", path=path)
+            raise ImportError("not served", path=path)
         return finder
 
+    def finder(self, folder):
+        """Return the finder of the absolute *folder*, or ``None``."""
+        raise NotImplementedError
 
-class TransparentLoader(_SourceFileLoader):
-    """Load a source module from the staged copy under its original path.
 
-    Every path the import system asks about (the source, its bytecode) is
-    mapped from the original root to the staged copy; ``__file__``,
-    ``__cached__`` and tracebacks show the original.
+class ServingFinder(_FileFinder):
+    """The path entry finder of one served directory, from listings.
+
+    It is a ``FileFinder`` to the rest of the ecosystem (``pkg_resources``
+    and ``pkgutil`` treat served directories as the directories they are).
+    It finds a name as ``FileFinder`` would (:func:`locate`) and loads it
+    from the copy; what the copy does not hold is the regular finder's.
+    Paths are the originals' throughout; a subclass says where listings
+    and files come from:
+
+    - :meth:`listing` of an original directory;
+    - :meth:`copy`: where an original file is in the copy;
+    - :meth:`holds`: whether the copy holds the file of module *name* (it
+      may ask for it);
+    - :meth:`keeps_original`: whether a source module shows its original
+      ``__file__`` (:meth:`source_loader` then reads it from the copy);
+    - :meth:`package_dir`: where a package loaded from the copy searches;
+    - :meth:`unlisted`: what to do with a name the listing lacks.
     """
 
-    def __init__(self, fullname, path, root):
-        super().__init__(fullname, path)
-        self.root = root
+    def __init__(self, path):
+        super().__init__(path)
+        self._regular = None
+
+    def regular(self):
+        """The finder plain python would use here (for what cannot be served)."""
+        if self._regular is None:
+            self._regular = regular_finder(self.path)
+        return self._regular
+
+    def usable(self):
+        """Whether the copy serves imports in this process now."""
+        return True
+
+    def find_spec(self, fullname, target=None):
+        """Find *fullname* here, from listings, loading from the copy."""
+        if not self.usable():
+            return self.regular().find_spec(fullname, target)
+        name = fullname.rpartition(".")[2]
+        try:
+            found = self.located(name)
+        except Unknown:
+            return self.regular().find_spec(fullname, target)
+        if found is None:
+            return self.unlisted(fullname, target)
+        kind, path, search = found
+        if kind != "namespace" and not self.holds(name, kind, path):
+            return self.regular().find_spec(fullname, target)
+        return self.spec(fullname, kind, path, search)
+
+    def located(self, name):
+        """Return what :func:`locate` finds of *name* in this directory."""
+        return locate(self.listing, self.path, name)
+
+    def unlisted(self, fullname, target):
+        """A name the listing lacks is not here (plain python finds none either)."""
+        return None
+
+    def spec(self, fullname, kind, path, search):
+        """Return the spec of the module *path* (an original) of *kind*."""
+        if kind == "namespace":
+            spec = _ModuleSpec(fullname, None)
+            spec.submodule_search_locations = [self.package_dir(path)]
+            return spec
+        if kind == "source" and self.keeps_original(path):
+            origin, loader = path, self.source_loader(fullname, path)
+        else:
+            origin = self.copy(path)
+            loader = LOADERS[kind](fullname, origin)
+            if search is not None:
+                search = [self.package_dir(search[0])]
+        return spec_from_file_location(
+            fullname, origin, loader=loader, submodule_search_locations=search
+        )
+
+    def package_dir(self, folder):
+        """Where a package (or portion) loaded from the copy at *folder* searches."""
+        return self.copy(folder)
+
+    def iter_modules(self, prefix=""):
+        """Yield ``(name, ispkg)`` as ``pkgutil`` would for the original directory."""
+        try:
+            entries = self.entries()
+        except Unknown:
+            entries = ()
+        return listed_modules(plain(entries) or (), self.is_package, prefix)
+
+    def entries(self):
+        """This directory's entries, as ``pkgutil`` should see them."""
+        return self.listing(self.path)
+
+    def is_package(self, name):
+        """Whether the directory *name* holds an ``__init__`` module."""
+        try:
+            entries = self.listing(f"{self.path}/{name}") or ()
+        except Unknown:
+            return False
+        return any(module_name(e) == "__init__" for e in entries)
+
+    def invalidate_caches(self):
+        """Drop the regular finder's cached listing."""
+        if self._regular is not None:
+            self._regular.invalidate_caches()
+
+
+class CopyLoader(_SourceFileLoader):
+    """Load a source module from the copy under its original path.
+
+    Every path the import system asks about (the source, its bytecode) is
+    mapped to the copy (:meth:`staged_path`); ``__file__``, ``__cached__``
+    and tracebacks show the original, and bytecode is written into the
+    copy, never next to the original.
+    """
 
     def staged_path(self, path):
-        """Map a path below the original root to the staged copy."""
-        head = self.root.path + _os.sep
-        if self.root.staged is None or not path.startswith(head):
-            return path  # activation has ended: the original is what there is
-        return self.root.staged + path[len(self.root.path) :]
+        """Return where the original *path* is in the copy."""
+        raise NotImplementedError
 
     def get_data(self, path):
-        """Read *path* from the staged copy."""
+        """Read *path* from the copy."""
         return super().get_data(self.staged_path(path))
 
     def path_stats(self, path):
-        """Stat *path* in the staged copy."""
+        """Stat *path* in the copy."""
         return super().path_stats(self.staged_path(path))
 
     def set_data(self, path, data, *, _mode=0o666):
-        """Write bytecode into the staged copy, never the original."""
+        """Write bytecode into the copy, never the original."""
         return super().set_data(self.staged_path(path), data, _mode=_mode)
 
-    def get_resource_reader(self, name):
-        """Serve ``importlib.resources`` of the package from the staged copy."""
-        from importlib.resources.readers import FileReader
 
-        reader = FileReader(self)
-        reader.path = type(reader.path)(self.staged_path(str(reader.path)))
-        return reader
+def register_pkgutil(pkgutil):
+    """Let ``pkgutil.iter_modules`` list served directories from their listings."""
 
-
-def transparent_spec(spec, root):
-    """Return *spec* (found in the staged copy) with original paths."""
-    original = root.path + spec.origin[len(root.staged) :]
-    locations = None
-    if spec.submodule_search_locations is not None:
-        locations = [_os.path.dirname(original)]
-    loader = TransparentLoader(spec.name, original, root)
-    return spec_from_file_location(
-        spec.name, original, loader=loader, submodule_search_locations=locations
-    )
+    @pkgutil.iter_importer_modules.register(ServingFinder)
+    def _iter_served(importer, prefix=""):
+        return importer.iter_modules(prefix)
 
 
-# -- the rest of the ecosystem: metadata, pkgutil, pkg_resources, other finders --
+# -- distributions, and modules told of the finders ------------------------------------
 
 
-class MetadataFinder:
-    """Stands in for ``PathFinder`` in ``sys.meta_path``.
+class MetaWrapper:
+    """A meta path finder standing in for another (*base*), which it forwards to."""
 
-    Finding modules is left to ``PathFinder``; finding distributions
-    (``importlib.metadata``) looks at the staged copy of each bundled root,
-    and at the original after it only when the original holds distributions
-    the bundle lacks. It also lets ``pkgutil`` and ``pkg_resources`` know
-    the staged roots when they are imported.
-    """
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
+    def __init__(self, base):
+        self.base = base
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
+
+class ServingMetaFinder(MetaWrapper):
+    """Stands in for ``PathFinder`` in ``sys.meta_path``.
+
+    Finding modules is left to ``PathFinder`` (and so to the path hook);
+    ``importlib.metadata`` finds the distributions of a served directory
+    where the subclass says (:meth:`distributions`), others as usual. A
+    module named in :attr:`AFTER` is told of the finders once it has run
+    (``pkgutil`` of the served finders, :func:`register_pkgutil`).
+    """
+
+    AFTER = {"pkgutil": register_pkgutil}
+
     def find_spec(self, fullname, path=None, target=None):
-        """Find a module as ``PathFinder`` does; prepare pkgutil, pkg_resources."""
+        """Find a module as ``PathFinder`` does; prepare those named in AFTER."""
         spec = self.base.find_spec(fullname, path, target)
-        if spec is not None and fullname in AFTER_IMPORT:
-            spec.loader = Prepared(spec.loader, fullname, self.roots)
+        if spec is not None and spec.loader is not None and fullname in self.AFTER:
+            spec.loader = AfterImport(spec.loader, fullname, self)
         return spec
 
     def find_distributions(self, context=None):
-        """Find distributions, reading bundled roots from their staged copy."""
+        """Find distributions: served directories as served, others as usual."""
         from importlib.metadata import DistributionFinder
 
         context = context or DistributionFinder.Context()
-        path = metadata_path(context.path, self.roots)
-        return self.base.find_distributions(
-            DistributionFinder.Context(name=context.name, path=path)
-        )
+        for entry in context.path:
+            found = self.distributions(_os.path.abspath(entry or "."), context.name)
+            if found is None:
+                one = DistributionFinder.Context(name=context.name, path=[entry])
+                found = self.base.find_distributions(one)
+            yield from found
+
+    def distributions(self, folder, name):
+        """Return the distributions called *name* in a served *folder*, or ``None``."""
+        return None
+
+    def run(self, loader, module):
+        """Run a module named in AFTER, as its own *loader* does."""
+        loader.exec_module(module)
 
 
-def metadata_path(entries, roots, keep=False):
-    """Return *entries* with each bundled root replaced by where its metadata is.
+class AfterImport:
+    """A loader that runs a module as its own does, then tells it of the finders."""
 
-    A root the bundle holds nothing of is dropped when its listing shows no
-    distributions; with *keep*, it stays (``pkg_resources`` also imports
-    through this path while it scans).
-    """
-    path = []
-    for entry in entries:
-        root = roots.get(_os.path.abspath(entry or "."))
-        if root is None or (keep and root.staged is None):
-            path.append(entry)
-        else:
-            path += root.metadata_paths()
-    return path
-
-
-class Prepared:
-    """A loader that runs ``pkgutil`` or ``pkg_resources`` with staged roots known."""
-
-    def __init__(self, loader, name, roots):
-        self.loader, self.name, self.roots = loader, name, roots
+    def __init__(self, loader, name, meta):
+        self.loader, self.name, self.meta = loader, name, meta
 
     def __getattr__(self, name):
         return getattr(self.loader, name)
@@ -399,108 +471,107 @@ class Prepared:
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        """Run the module; for ``pkg_resources``, with staged metadata on sys.path.
-
-        ``pkg_resources`` scans ``sys.path`` for distributions once, while it
-        is imported; scanning the staged copies keeps that node-local.
-        """
+        """Run the module (:meth:`ServingMetaFinder.run`), then tell it."""
         module.__loader__ = module.__spec__.loader = self.loader
-        saved = _sys.path[:]
-        if self.name == "pkg_resources":
-            _sys.path[:] = metadata_path(saved, self.roots, keep=True)
-        try:
-            self.loader.exec_module(module)
-        finally:
-            _sys.path[:] = saved
-        AFTER_IMPORT[self.name](module)
+        self.meta.run(self.loader, module)
+        self.meta.AFTER[self.name](module)
 
 
-def register_pkgutil(pkgutil):
-    """Let ``pkgutil.iter_modules`` list bundled roots from their listings."""
-
-    @pkgutil.iter_importer_modules.register(StagedFinder)
-    def _iter_staged(importer, prefix=""):
-        return importer.iter_modules(prefix)
+# -- putting the finders in place and taking them away ---------------------------------
 
 
-def register_pkg_resources(pkg_resources):
-    """Let later ``pkg_resources`` scans of bundled roots read the staged copy."""
-
-    def find_staged(importer, path_item, only=False):
-        for path in importer.root.metadata_paths():
-            yield from pkg_resources.find_on_path(importer, path, only)
-
-    pkg_resources.register_finder(StagedFinder, find_staged)
-
-
-AFTER_IMPORT = {"pkgutil": register_pkgutil, "pkg_resources": register_pkg_resources}
-
-
-class RedirectFinder:
-    """Wraps a meta path finder so that what it finds in a bundled tree is staged."""
-
-    def __init__(self, base, roots):
-        self.base, self.roots = base, roots
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
-
-    def find_spec(self, fullname, path=None, target=None):
-        """Ask the wrapped finder; load a module of a bundled tree from the copy."""
-        from importlib.machinery import (
-            ExtensionFileLoader,
-            SourceFileLoader,
-            SourcelessFileLoader,
-        )
-
-        spec = self.base.find_spec(fullname, path, target)
-        plain = (SourceFileLoader, SourcelessFileLoader, ExtensionFileLoader)
-        if spec is None or type(spec.loader) not in plain or not spec.has_location:
-            return spec  # A loader of its own (pytest's rewriting): left alone.
-        return staged_spec(spec, self.roots) or spec
-
-
-def staged_spec(spec, roots):
-    """Return a spec that loads *spec*'s file from the staged copy, or ``None``."""
-    for root in roots.values():
-        if root.staged and spec.origin.startswith(root.path + _os.sep):
-            copy = root.staged + spec.origin[len(root.path) :]
-            if not _os.path.isfile(copy):
-                return None
-            package = spec.submodule_search_locations is not None
-            locations = [_os.path.dirname(copy)] if package else None
-            found = spec_from_file_location(
-                spec.name, copy, submodule_search_locations=locations
-            )
-            rel = copy[len(root.staged) + 1 :]
-            return transparent_spec(found, root) if root.transparent(rel) else found
-    return None
-
-
-def wrap_meta_finders(roots):
-    """Wrap the meta path finders that are not the standard ones; return them."""
-    from importlib.machinery import BuiltinImporter, FrozenImporter
-
-    standard = (BuiltinImporter, FrozenImporter)
-    wrapped = []
+def stand_in(make):
+    """Put ``make(PathFinder)`` where ``PathFinder`` is in sys.meta_path; return it."""
     for index, finder in enumerate(_sys.meta_path):
-        if finder in standard or isinstance(finder, MetadataFinder):
-            continue
-        if type(finder).__module__.startswith(("mpistage", "_frozen_importlib")):
-            continue
-        if not hasattr(finder, "find_spec"):
-            continue
-        _sys.meta_path[index] = RedirectFinder(finder, roots)
-        wrapped.append(_sys.meta_path[index])
-    return wrapped
-
-
-def install_metadata_finder(roots):
-    """Put a :class:`MetadataFinder` where ``PathFinder`` is in sys.meta_path."""
-    from importlib.machinery import PathFinder
-
-    for index, finder in enumerate(_sys.meta_path):
-        if finder is PathFinder:
-            _sys.meta_path[index] = MetadataFinder(finder, roots)
+        if finder is _PathFinder:
+            _sys.meta_path[index] = make(finder)
             return _sys.meta_path[index]
     return None
+
+
+def step_aside(wrappers):
+    """Put the finders that *wrappers* (:class:`MetaWrapper`) wrap back in place."""
+    for index, finder in enumerate(_sys.meta_path):
+        if any(finder is wrapper for wrapper in wrappers):
+            _sys.meta_path[index] = finder.base
+
+
+def forget(served):
+    """Drop cached path finders of the directories *served(path)* says are served."""
+    for path in list(_sys.path_importer_cache):
+        if served(_os.path.abspath(path or ".")):
+            del _sys.path_importer_cache[path]
+
+
+def drop_finders(kind):
+    """Drop the cached path finders that are instances of *kind*."""
+    for path, finder in list(_sys.path_importer_cache.items()):
+        if isinstance(finder, kind):
+            del _sys.path_importer_cache[path]
+
+
+def repoint(copies):
+    """Point what was loaded from a copy back at the originals.
+
+    *copies* are ``(copy, original)`` directory pairs. The copy is removed
+    when serving ends. A package whose ``__path__`` named it could import
+    no submodule it had not imported yet, and a ``__file__`` naming it
+    would lead to a file that is gone: so every module's ``__file__``,
+    ``__cached__``, ``__path__``, spec and loader path, and ``sys.path``,
+    are mapped to the originals.
+    """
+    if not copies:
+        return
+
+    def original(path):
+        for copy, orig in copies:
+            if isinstance(path, str) and (path + _os.sep).startswith(copy + _os.sep):
+                return orig + path[len(copy) :]
+        return path
+
+    for module in list(_sys.modules.values()):
+        repoint_module(module, original)
+    _sys.path[:] = [original(p) for p in _sys.path]
+
+
+def namespace_of(module):
+    """Return a module's ``__dict__`` without running its code, or ``None``.
+
+    A lazily loaded module (``importlib.util.LazyLoader``) would load itself
+    on any attribute looked up the usual way.
+    """
+    from types import ModuleType
+
+    if not isinstance(module, ModuleType):
+        return None
+    return object.__getattribute__(module, "__dict__")
+
+
+def repoint_module(module, original):
+    """Map the paths of one module (see :func:`repoint`) with *original*."""
+    namespace = namespace_of(module)
+    if namespace is None:
+        return
+    for key in ("__file__", "__cached__"):
+        if isinstance(namespace.get(key), str):
+            namespace[key] = original(namespace[key])
+    spec = namespace.get("__spec__")
+    for paths in (
+        namespace.get("__path__"),
+        getattr(spec, "submodule_search_locations", None),
+    ):
+        paths = getattr(paths, "_path", paths)  # a namespace package's path
+        if isinstance(paths, list):
+            paths[:] = [original(p) for p in paths]
+    if spec is not None and isinstance(getattr(spec, "origin", None), str):
+        spec.origin = original(spec.origin)
+        if spec.cached:
+            spec.cached = original(spec.cached)
+    for loader in {
+        id(x): x for x in (namespace.get("__loader__"), getattr(spec, "loader", None))
+    }.values():
+        if isinstance(getattr(loader, "path", None), str):
+            try:
+                loader.path = original(loader.path)
+            except AttributeError:
+                pass  # a loader whose path cannot be set

@@ -339,7 +339,7 @@ def write_json(path, data):
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
-    from mpistage.runtime.finders import TransparentLoader
+    from mpistage.runtime.activate import TransparentLoader
     from mpistage.runtime.roots import in_stdlib
 
     served, missed, stdlib = [], [], []

@@ -145,8 +145,6 @@ class LiveSession:
 
     def install(self):
         """Serve imports live: the path hook, distributions, no stale finders."""
-        import importlib.machinery
-
         from mpistage.runtime import finders
         from mpistage.runtime.live import finder as livefinder
 
@@ -154,16 +152,12 @@ class LiveSession:
         self.roots = served_roots(self.args)
         hook = livefinder.LiveHook(self)
         _sys.path_hooks.insert(0, hook)
-        meta = None
-        for index, finder in enumerate(_sys.meta_path):
-            if finder is importlib.machinery.PathFinder:
-                meta = _sys.meta_path[index] = livefinder.LiveMetaFinder(finder, self)
-                break
+        meta = finders.stand_in(lambda base: livefinder.LiveMetaFinder(base, self))
         livefinder.CURRENT[0] = self
         self.installed = (hook, meta)
         if "pkgutil" in _sys.modules:
-            livefinder.register_pkgutil(_sys.modules["pkgutil"])
-        forget_finders(self)
+            finders.register_pkgutil(_sys.modules["pkgutil"])
+        finders.forget(self.serves)
 
     # -- what the finder asks ------------------------------------------------
 
@@ -183,7 +177,7 @@ class LiveSession:
 
     def listing(self, path):
         """Return the listing of *path* (asking for it once); raise if none comes."""
-        from mpistage.runtime.live.finder import Unknown
+        from mpistage.runtime.finders import Unknown
 
         found = self.listings.get(path)
         if found is None:
@@ -192,6 +186,14 @@ class LiveSession:
             if found is None:
                 raise Unknown(path)
         return found[0]
+
+    def served_listing(self, folder):
+        """Return the listing of *folder*; raise ``Unknown`` unless served live now."""
+        from mpistage.runtime.finders import Unknown
+
+        if not self.usable() or not self.serves(folder):
+            raise Unknown(folder)
+        return self.listing(folder)
 
     def knows(self, path):
         """Whether the listing of *path* is here."""
@@ -208,7 +210,7 @@ class LiveSession:
 
     def refresh(self, path):
         """Ask for a listing of *path* read after the last cache reset."""
-        from mpistage.runtime.live.finder import Unknown
+        from mpistage.runtime.finders import Unknown
 
         rank = self.session.topology.world.rank
         if self.need(("r", path, rank, self.generation)) is not None:
@@ -228,10 +230,13 @@ class LiveSession:
         self.generation += 1
 
     def copy(self, path):
-        """Return where the original *path* is in this node's copy."""
+        """Return where the original *path* is in this node's copy.
+
+        Once the copy is gone, that is the original itself.
+        """
         from mpistage.runtime.live.mirror import copy_path
 
-        return copy_path(self.copy_root, path)
+        return copy_path(self.copy_root, path) if self.copy_root else path
 
     def present(self, kind, path):
         """Whether the node's copy holds the module file(s) of *path*."""
@@ -293,14 +298,21 @@ class LiveSession:
         self.comms = ()
 
     def release(self):
-        """Remove the node's copy between two node barriers (collective)."""
+        """Remove the node's copy between two node barriers (collective).
+
+        What was loaded from the copy (extensions, bytecode) is pointed back
+        at the originals first, as after a ``staged()`` block.
+        """
         from mpi4py import MPI
+
+        from mpistage.runtime.finders import repoint
 
         if self.mode != "live" or not self.closed or self.copy_root is None:
             return
         node = self.session.topology.node
         if self.relay is not None and self.relay.reader is not None:
             self.relay.reader.close()  # kept open for --auto's bundle until now
+        repoint([(self.copy("/"), "")])
         barrier(node)
         self.remove()
         if not MPI.Is_finalized():
@@ -309,17 +321,14 @@ class LiveSession:
 
     def uninstall(self):
         """Take the hook and the distribution finder out; drop live finders."""
+        from mpistage.runtime import finders
         from mpistage.runtime.live import finder as livefinder
 
         hook, meta = self.installed or (None, None)
         if hook in _sys.path_hooks:
             _sys.path_hooks.remove(hook)
-        for index, finder in enumerate(_sys.meta_path):
-            if finder is meta:
-                _sys.meta_path[index] = meta.base
-        for path, finder in list(_sys.path_importer_cache.items()):
-            if isinstance(finder, livefinder.LiveFinder):
-                del _sys.path_importer_cache[path]
+        finders.step_aside([meta])
+        finders.drop_finders(livefinder.LiveFinder)
         livefinder.CURRENT[0] = None
         if self.listings is not None:
             self.listings.close()
@@ -433,10 +442,3 @@ def served_roots(args):
     found = [_os.path.abspath(p or ".") for p in _sys.path]
     found.append(target_path0(args))
     return tuple(dict.fromkeys(p for p in found if p and p != "/"))
-
-
-def forget_finders(live):
-    """Drop cached path finders of served directories, so the hook is asked."""
-    for path in list(_sys.path_importer_cache):
-        if live.serves(_os.path.abspath(path or ".")):
-            del _sys.path_importer_cache[path]

@@ -26,7 +26,8 @@ the same job, and are still checked: absolute, no ``.`` or ``..``.
 
 A file that cannot be mirrored (an odd path, a name too long, a directory
 where a file was, a full disk) is left out, and the ranks read its original,
-as plain python would: one file never ends the job. An extension is left
+as plain python would: one file never ends the job. So is a listing that
+no longer fits in the log. An extension is left
 out too when a library it needs from ``$ORIGIN`` is not in the copy.
 """
 
@@ -63,7 +64,7 @@ class CopyWriter:
         self.dirs = Dirs(open_dir(root.fd, FILES))
         flags = _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
         self.log = _os.open(LOG, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
-        self.full, self.written = False, 0
+        self.full, self.written, self.logged = False, 0, 0
 
     def apply(self, items):
         """Write *items* (files, then listings) in order."""
@@ -79,11 +80,26 @@ class CopyWriter:
             self.append(records)
 
     def append(self, records):
-        """Append listing records to the log in one write."""
+        """Append listing records to the log in one write.
+
+        Records that do not fit are cut off again, so that the log holds
+        whole records only, and no more files are written: the ranks find
+        no listing of those directories and read the originals.
+        """
+        import errno
+
         blob = b"".join(len(r).to_bytes(HEADER, "little") + r for r in records)
         done = 0
-        while done < len(blob):
-            done += _os.write(self.log, blob[done:])
+        try:
+            while done < len(blob):
+                done += _os.write(self.log, blob[done:])
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            _os.ftruncate(self.log, self.logged)
+            self.full = True
+            return
+        self.logged += done
 
     def write_file(self, path, data, mode, mtime_ns, needs=()):
         """Write one file below the tree atomically; skip what cannot be.

@@ -39,9 +39,9 @@ entries of a listing are symlinks (from the entry's type, no stat).
 Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode,
 mtime_ns, needs)``; ``entries`` is ``None`` (no such directory), ``False``
 (not a directory) or the sorted entries, directories ending in ``/``
-(others marked, see :func:`listed_entry`); ``data`` is ``None`` when the
-file cannot be read; ``needs`` names the ``$ORIGIN`` libraries an extension
-cannot be loaded from the copy without.
+(others marked, see :func:`~mpistage.runtime.finders.listed_entry`);
+``data`` is ``None`` when the file cannot be read; ``needs`` names the
+``$ORIGIN`` libraries an extension cannot be loaded from the copy without.
 """
 
 import os as _os
@@ -88,7 +88,7 @@ class Reader:
 
     def module(self, folder, name, out):
         """Add the files plain python would read to import *name* from *folder*."""
-        from mpistage.runtime.live.finder import locate
+        from mpistage.runtime.finders import locate
 
         found = locate(lambda path: self.listing(path, out), folder, name)
         if found is None:
@@ -210,6 +210,8 @@ class Reader:
         """Read the entries of *path*: ``None`` if absent, ``False`` if no dir."""
         import errno
 
+        from mpistage.runtime.finders import listed_entry
+
         try:
             fd = self.dir_fd(path, LIST_FLAGS)
             with _os.scandir(fd) as found:
@@ -243,6 +245,8 @@ class Reader:
         Listings are in the one form of :func:`~mpistage.runtime.roots.listing`
         (directories end in ``/``; the marks of other entries taken off).
         """
+        from mpistage.runtime.finders import plain
+
         listings = {path: plain(known[0]) for path, known in self.listings.items()}
         return listings, self.stats, self.links, self.digests
 
@@ -330,35 +334,6 @@ class Reader:
         for fd, _flags in self.fds.values():
             _os.close(fd)
         self.fds = {}
-
-
-def plain(entries):
-    """Return listing *entries* without the marks of what is no file or dir."""
-    from mpistage.runtime.live.finder import entry_name
-
-    if not entries:
-        return entries
-    return tuple(e if e.endswith("/") else entry_name(e) for e in entries)
-
-
-def listed_entry(entry):
-    """Return a directory entry as listings hold it: what it is, marked.
-
-    A directory ends in ``/``; a regular file is its name; anything else is
-    marked (:data:`~.finder.OTHER`, :data:`~.finder.DANGLING`), so that it
-    is neither a module nor a file to the ranks. Only those cost a stat.
-    """
-    from mpistage.runtime.live.finder import DANGLING, OTHER
-
-    try:
-        if entry.is_dir():
-            return entry.name + "/"
-        if entry.is_file():
-            return entry.name
-        entry.stat()
-        return entry.name + OTHER
-    except OSError:
-        return entry.name + DANGLING
 
 
 def bytecode_verdict(data, st):

@@ -50,7 +50,6 @@ NEEDS = (  # imported before the thread starts (see above)
     "mpistage.node.elf",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
-    "mpistage.runtime.live.finder",
     "mpistage.runtime.live.mirror",
     "mpistage.runtime.live.reader",
     "mpistage.runtime.live.request",

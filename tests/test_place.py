@@ -294,3 +294,40 @@ def test_an_environment_stage_is_dead_when_its_run_is_gone_here():
     assert dead({"host": here, "run": gone, "keep": "yes"}, kept_too=True)
     assert not dead({"host": here})  # staged by hand, no scheduler: clean DIR
     assert not dead({"host": here, "run": f"other:{dead_pid()}"})
+
+
+def test_the_one_writer_never_writes_through_a_link_or_over_a_file(tmp_path):
+    fd = opened(tmp_path)
+    try:
+        (tmp_path / "secret").write_text("theirs")
+        (tmp_path / "planted").symlink_to(tmp_path / "secret")
+        for name in ("planted", "secret"):
+            with pytest.raises(FileExistsError):
+                place.write_new(fd, name, b"mine", 0o600)
+        assert (tmp_path / "secret").read_text() == "theirs"
+        place.write_new(fd, "new", memoryview(b"abc"), 0o640, 1_000_000_000)
+        assert (tmp_path / "new").read_bytes() == b"abc"
+        assert os.stat(tmp_path / "new").st_mtime_ns == 1_000_000_000
+        assert mode(tmp_path / "new") == 0o640
+    finally:
+        os.close(fd)
+
+
+def test_the_one_writer_removes_a_file_cut_short(tmp_path, monkeypatch):
+    fd = opened(tmp_path)
+    calls = []
+
+    def write_once(out, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return 1
+
+    monkeypatch.setattr(place._os, "write", write_once)
+    try:
+        with pytest.raises(OSError):
+            place.write_new(fd, "cut", b"abc", 0o600)
+    finally:
+        monkeypatch.undo()
+        os.close(fd)
+    assert not (tmp_path / "cut").exists()

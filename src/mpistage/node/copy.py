@@ -44,13 +44,13 @@ from mpistage.node.imports import (
     source_kind,
     via_path,
 )
+from mpistage.node.place import write_new
 
 PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
 # The dynamic loader's own directories: part of the node's image, not copied.
 SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
 PLUGIN_DEPTH = 3  # directory levels of a plugin directory
 LOADER_SUBDIRS = ("glibc-hwcaps", "tls", "haswell", "xeon_phi", "avx512_1")
-WRITE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
 
 
 def import_and_copy(meeting):
@@ -147,12 +147,8 @@ def write_record(fd, record):
     import marshal
 
     data, tmp = marshal.dumps(record), f"{RECORD}.{_os.getpid()}.tmp"
-    out = _os.open(tmp, WRITE_FLAGS, 0o600, dir_fd=fd)
+    write_new(fd, tmp, data, 0o600)
     try:
-        try:
-            write_all(out, data)
-        finally:
-            _os.close(out)
         _os.rename(tmp, RECORD, src_dir_fd=fd, dst_dir_fd=fd)
     except BaseException:
         _os.unlink(tmp, dir_fd=fd)
@@ -179,13 +175,6 @@ def load_first(base, place, rels):
 
 
 LOADED = []  # the copies loaded ahead of their dependents (kept open)
-
-
-def write_all(fd, data):
-    """Write all of *data* to *fd*."""
-    view = memoryview(data)
-    while view:
-        view = view[_os.write(fd, view) :]
 
 
 class ImportRecorder(Hook):
@@ -524,14 +513,7 @@ class Copier:
         try:
             for part in parts[:-1]:
                 fd = enter(fd, part)
-            out = _os.open(parts[-1], WRITE_FLAGS, 0o700, dir_fd=fd)
-            try:
-                write_all(out, data)
-            except BaseException:
-                _os.unlink(parts[-1], dir_fd=fd)
-                raise
-            finally:
-                _os.close(out)
+            write_new(fd, parts[-1], data, 0o700)
         finally:
             _os.close(fd)
         self.taken[path], self.bytes = rel, self.bytes + len(data)

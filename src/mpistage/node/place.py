@@ -381,3 +381,32 @@ def job_tag():
 
     prefix = job_id() or _os.uname().nodename.split(".")[0]
     return f"{prefix}-{_os.getpid()}-{time.time_ns() % 10**9:09d}"
+
+
+# -- the one writer of a file into a node's copy --------------------------------
+
+WRITE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
+
+
+def write_new(fd, name, data, mode, mtime_ns=None):
+    """Create the file *name* below the directory *fd* holding *data*.
+
+    Never an existing name and never through a symlink (``O_EXCL |
+    O_NOFOLLOW``): a name another process put there first is an error, not
+    a file to write into. With *mtime_ns*, the file keeps its original's
+    time (bytecode checks compare it). A file cut short by an error is
+    removed again. The one writer of extraction, the live imports' mirror
+    and the node boot's copy.
+    """
+    out = _os.open(name, WRITE_FLAGS, mode, dir_fd=fd)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += _os.write(out, view[done:])
+        if mtime_ns is not None:
+            _os.utime(out, ns=(mtime_ns, mtime_ns))
+    except BaseException:
+        _os.unlink(name, dir_fd=fd)
+        raise
+    finally:
+        _os.close(out)

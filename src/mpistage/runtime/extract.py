@@ -15,8 +15,8 @@ import errno as _errno
 import os as _os
 
 from mpistage import StageError
+from mpistage.node.place import write_new
 
-FILE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
 MAX_OPEN = 256
 
 
@@ -145,14 +145,7 @@ def write_dir(parent_fd, leaf, rel, mode):
 
 def write_file(parent_fd, leaf, data, mode, mtime_ns):
     """Create *leaf* (never following a symlink) with *data*, *mode* and mtime."""
-    fd = _os.open(leaf, FILE_FLAGS, mode, dir_fd=parent_fd)
-    try:
-        done = 0
-        while done < len(data):
-            done += _os.write(fd, data[done:])
-        _os.utime(fd, ns=(mtime_ns, mtime_ns))
-    finally:
-        _os.close(fd)
+    write_new(parent_fd, leaf, data, mode, mtime_ns)
 
 
 def os_error(exc, name):

@@ -34,9 +34,9 @@ out too when a library it needs from ``$ORIGIN`` is not in the copy.
 import os as _os
 
 from mpistage.node.imports import FILES
+from mpistage.node.place import write_new
 
 LOG = ".mpistage-listings"
-FILE_FLAGS = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW | _os.O_CLOEXEC
 HEADER = 4  # bytes of a log record's length
 
 
@@ -120,15 +120,7 @@ class CopyWriter:
         self.written += 1
         tmp = f".mpistage-{_os.getpid()}-{self.written}.tmp"  # short: any leaf fits
         try:
-            out = _os.open(tmp, FILE_FLAGS, (mode & 0o777) | 0o600, dir_fd=fd)
-            try:
-                view, done = memoryview(data), 0
-                while done < len(view):
-                    done += _os.write(out, view[done:])
-                if mtime_ns is not None:
-                    _os.utime(out, ns=(mtime_ns, mtime_ns))
-            finally:
-                _os.close(out)
+            write_new(fd, tmp, data, (mode & 0o777) | 0o600, mtime_ns)
             _os.rename(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
         except OSError as exc:
             self.give_up(fd, tmp, exc)

@@ -26,8 +26,8 @@ system:
 	./scripts/ensure-system-packages launchers
 
 lint: venv
-	$(VENV)/bin/ruff check src tests benchmarks bin
-	$(VENV)/bin/ruff format --check src tests benchmarks bin
+	$(VENV)/bin/ruff check src tests bin
+	$(VENV)/bin/ruff format --check src tests bin
 
 # The launcher tier's systems: a two-node Slurm cluster on this machine
 # (scripts/slurm-cluster) and two venvs whose mpi4py is built from source

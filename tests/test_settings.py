@@ -41,12 +41,7 @@ def test_no_module_but_settings_parses_a_setting():
         for p in ROOT.joinpath("src").rglob("*.py")
         if reads.search(p.read_text()) and p.name != "settings.py"
     ]
-    # The recorder's hook runs in every Python child and the bench's workload
-    # is the program measured: both read their names with nothing imported.
-    assert sorted(found) == [
-        "src/mpistage/_hook/sitecustomize.py",
-        "src/mpistage/bench/sweep.py",
-    ]
+    assert found == []
 
 
 def test_the_usage_table_is_the_list():

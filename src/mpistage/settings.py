@@ -202,13 +202,6 @@ SETTINGS = _settings(
         "`mpistage run --keep`: the stage outlives the run",
         internal=True,
     ),
-    Setting(
-        "MPISTAGE_BENCH_RESULT",
-        text,
-        None,
-        "`mpistage bench`: where a benchmark's rank 0 writes its timings",
-        internal=True,
-    ),
 )
 
 

@@ -19,12 +19,16 @@ import sys
 def _start():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    folder = os.environ.get("MPISTAGE_RECORD_DIR")
+    try:
+        from mpistage.settings import get
+    except ImportError:  # mpistage is not importable here: nothing to do
+        get = dict().get
+    folder = get("MPISTAGE_RECORD_DIR")
     if folder:
         from mpistage.runtime.auto import start_child
 
         start_child(folder)
-    plan = os.environ.get("MPISTAGE_CHILD")
+    plan = get("MPISTAGE_CHILD")
     if plan:
         _activate(plan)
     _run_users_sitecustomize()

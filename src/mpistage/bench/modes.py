@@ -67,7 +67,6 @@ class Mode:
         """Return the environment of a run."""
         env = clean_environ(testbed.layout.environ())
         env["MPISTAGE_EMULATE_NODES"] = str(nodes)
-        env["MPISTAGE_BENCH_RESULT"] = testbed.result_path
         env.update(testbed.extra_env)
         return env
 

@@ -42,7 +42,7 @@ rows = world.gather((world.rank, os.getpid(), t_ready, t_done), root=0)
 world.Barrier()
 if world.rank == 0:
     import json
-    with open(os.environ["MPISTAGE_BENCH_RESULT"], "w") as f:
+    with open({result!r}, "w") as f:
         json.dump({{"ranks": rows, "t_all": time.time()}}, f)
 """
 
@@ -116,7 +116,7 @@ def run_cell(testbed, mode, ranks, nodes):
     site = mode.driver_site(testbed)
     path_line = f"sys.path.insert(0, {site!r})" if site else ""
     code = "" if mode.empty else testbed.workload.code
-    driver = DRIVER.format(code=code, path_line=path_line)
+    driver = DRIVER.format(code=code, path_line=path_line, result=testbed.result_path)
     start, stats, extra = mode.launch(testbed, ranks, nodes, driver)
     row = measure(testbed, start, stats, extra, nodes)
     mode.after(testbed)

@@ -448,3 +448,16 @@ def test_the_report_names_originals_mapped_despite_a_copy(tmp_path):
     facts = [{"role": "copy", "originals_mapped": bypassed}, {"role": "first"}]
     lines = start_lines(starts(facts))
     assert any(f"rank(s) 0, though the node had a copy: {original}" in x for x in lines)
+
+
+@pytest.mark.parametrize("package", ["node", "runtime"])
+def test_packages_made_empty_before_mpi_hold_only_their_docstring(package):
+    """The node boot makes these packages without reading their ``__init__``."""
+    import ast
+
+    import mpistage
+
+    init = Path(mpistage.__file__).parent / package / "__init__.py"
+    body = ast.parse(init.read_text()).body
+    assert len(body) == 1 and isinstance(body[0], ast.Expr), init
+    assert isinstance(body[0].value, ast.Constant), init

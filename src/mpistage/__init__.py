@@ -149,7 +149,11 @@ def load_local(package, stems):
     node boot, :mod:`mpistage.node.boot`): each module is read relative to
     an open descriptor of its directory, about six metadata operations,
     instead of being looked for along ``sys.path``. Modules imported or
-    loadable already are skipped; with none left, nothing is read.
+    loadable already are skipped; with none left, nothing is read. A
+    package not imported yet whose ``__init__`` is not among *stems* is
+    made empty rather than read: ``mpistage.node``'s and
+    ``mpistage.runtime``'s hold only their docstrings (tests/test_nodeboot.py
+    keeps them so), and every rank would pay six operations for one.
     """
     import os
 
@@ -160,13 +164,19 @@ def load_local(package, stems):
         return
     folder = os.path.join(__path__[0], *package.split(".")[1:])
     codes = _read_package(folder, package, wanted)
+    if package not in _sys.modules and package not in _LOCAL and package not in codes:
+        import marshal
+
+        origin = os.path.join(folder, "__init__.py")
+        codes[package] = (origin, True, marshal.dumps(compile("", origin, "exec")))
     _LOCAL.update(codes)
     _sys.meta_path.insert(0, _Preloaded(codes))
 
 
 _LOCAL = {}  # what load_local read, by module name
-# The modules of mpistage.node every rank reads before MPI (the node boot).
-NODE = ("__init__", "boot", "imports", "launch", "place", "cleanup")
+# The modules of mpistage.node every rank reads before MPI (the node boot);
+# the package itself is made empty (:func:`load_local`).
+NODE = ("boot", "imports", "launch", "place", "cleanup")
 
 
 def own_module(name):

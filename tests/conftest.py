@@ -53,8 +53,11 @@ def numpy_bundle(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def small_env_bundle(tmp_path_factory):
-    """The small venv (MPICH wheel, mpi4py, numpy) packed with ``pack --env``, once."""
+def env_bundle(tmp_path_factory):
+    """The small venv (MPICH wheel, mpi4py, numpy) packed with ``pack --env``, once.
+
+    Modules with an environment of their own define their own ``env_bundle``.
+    """
     from envtools import small_venv
     from stagetools import mpistage
 

@@ -41,12 +41,6 @@ if os.environ.get("SLEEP"):
 
 
 @pytest.fixture
-def env_bundle(small_env_bundle):
-    """The small venv (MPICH wheel, mpi4py, numpy), packed once."""
-    return small_env_bundle
-
-
-@pytest.fixture
 def place(tmp_path):
     """A private staging place for the test: MPISTAGE_STAGE_DIR, no fallback."""
     folder = tmp_path / "shm"

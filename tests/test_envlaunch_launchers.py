@@ -64,12 +64,6 @@ time.sleep(float(os.environ.get("SLEEP", "0")))
 
 
 @pytest.fixture
-def env_bundle(small_env_bundle):
-    """The small venv (MPICH wheel, mpi4py, numpy), packed once."""
-    return small_env_bundle
-
-
-@pytest.fixture
 def app(tmp_path):
     path = tmp_path / "app.py"
     path.write_text(APP)

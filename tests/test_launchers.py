@@ -57,12 +57,6 @@ if missing():  # the whole tier, with one line
     pytest.skip(f"launcher tier skipped: {missing()}", allow_module_level=True)
 
 
-@pytest.fixture
-def env_bundle(small_env_bundle):
-    """A small venv with the MPICH wheel, mpi4py and numpy, packed once."""
-    return small_env_bundle
-
-
 @pytest.fixture(scope="session")
 def ompi(tmp_path_factory):
     """The Open MPI venv's python and its environment, packed once."""

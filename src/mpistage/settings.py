@@ -175,6 +175,14 @@ SETTINGS = _settings(
         "PATH",
     ),
     Setting(
+        "MPISTAGE_SLURM_STATE",
+        text,
+        "/var/lib/mpistage-ci/slurm",
+        "the Slurm test cluster's directory (scripts/slurm-cluster, the suite, "
+        "the `slurm_run` campaign)",
+        internal=True,
+    ),
+    Setting(
         "MPISTAGE_CHILD",
         text,
         None,

@@ -38,7 +38,9 @@ import sys
 import tempfile
 import time
 
-STATE = os.environ.get("MPISTAGE_SLURM_STATE", "/var/lib/mpistage-ci/slurm")
+from mpistage.settings import get
+
+STATE = get("MPISTAGE_SLURM_STATE")
 CODE = "import numpy, numpy.linalg; from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
 FLOOR = "from mpi4py import MPI"
 

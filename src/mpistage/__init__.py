@@ -45,6 +45,22 @@ class StageError(Exception):
     """
 
 
+def describe(error):
+    """Return a one-line message for any exception a step raised.
+
+    The one wording of an error, on every rank and in every tool (the
+    agreed errors of :mod:`mpistage.runtime.collective`, the node boot's).
+    """
+    if isinstance(error, StageError):
+        return str(error)
+    if isinstance(error, MemoryError):
+        return "out of memory" + (f": {error}" if str(error) else "")
+    if isinstance(error, OSError) and error.strerror:
+        where = f" {error.filename!r}" if error.filename else ""
+        return f"{error.strerror}{where}"
+    return f"internal error: {type(error).__name__}: {error}"
+
+
 def staged(bundle, comm=None, **options):
     """Stage *bundle* node-locally and serve its imports (collective).
 

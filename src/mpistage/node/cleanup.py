@@ -423,8 +423,7 @@ def say_failure(comm, exc):
     """
     import sys
 
-    from mpistage import StageError
-    from mpistage.runtime.collective import describe
+    from mpistage import StageError, describe
 
     if isinstance(exc, StageError):
         if comm.rank == 0:

@@ -87,10 +87,7 @@ def give_up(meeting, reason):
 
 def describe(error):
     """Say in one line what stopped the first rank (for its followers)."""
-    from mpistage import load_local
-
-    load_local("mpistage.runtime", ("collective",))
-    from mpistage.runtime.collective import describe as one_line
+    from mpistage import describe as one_line
 
     return one_line(error)
 

@@ -13,7 +13,7 @@ leader to stage must not take CPU from that leader, which matters when ranks
 outnumber cores, as in emulated-node tests and benchmarks on one machine.
 """
 
-from mpistage import Backoff, StageError
+from mpistage import Backoff, StageError, describe
 
 POLL_MIN = 0.00005  # seconds between the first polls: a fast step loses little
 POLL_MAX = 0.002  # seconds between later polls: a waiting rank takes no CPU
@@ -59,18 +59,6 @@ def agree(comm, error=None):
         return
     message = comm.bcast(describe(error) if comm.rank == rank else None, root=rank)
     raise StageError(message)
-
-
-def describe(error):
-    """Return a one-line message for any exception a step raised."""
-    if isinstance(error, StageError):
-        return str(error)
-    if isinstance(error, MemoryError):
-        return "out of memory" + (f": {error}" if str(error) else "")
-    if isinstance(error, OSError) and error.strerror:
-        where = f" {error.filename!r}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    return f"internal error: {type(error).__name__}: {error}"
 
 
 def attempt(comm, step, *args):

@@ -108,9 +108,47 @@ PLANTED = """\
 import os
 open(os.path.join({out!r}, {name!r}), "w").close()
 """
+
 # mpistage itself, and standard library modules its tools import lazily
 SHADOWED = ("mpistage", "json", "argparse", "shlex", "shutil", "subprocess",
             "tempfile", "zipfile", "signal", "glob", "secrets", "hashlib")  # fmt: skip
+
+
+# What another user made before the victim's first --auto run
+SHARED_CACHES = {
+    "cache of another user": (OTHER, 0o755),
+    "cache others can write": (os.getuid(), 0o777),
+    "cache of another user others can write": (OTHER, 0o777),
+}
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to play another user")
+@pytest.mark.parametrize("form", sorted(SHARED_CACHES))
+def test_a_cache_another_user_made_first_runs_none_of_their_code(
+    tmp_path, stage_env, stage_dir, form
+):
+    """The learning run refuses the cache before the program, and whatever
+    was planted in it (modules named like mpistage's, a bundle) never runs."""
+    site = make_site(tmp_path / "site")
+    (tmp_path / "app").mkdir()
+    script = write_target(tmp_path / "app" / "app.py", APP)
+    env = dict(stage_env, PYTHONPATH=str(site))
+    out, cache = tmp_path / "ran", tmp_path / "shared" / "cache"
+    out.mkdir()
+    cache.mkdir(parents=True)
+    for name in SHADOWED:
+        (cache / f"{name}.py").write_text(PLANTED.format(out=str(out), name=name))
+    owner, mode = SHARED_CACHES[form]
+    os.chown(cache, owner, owner)
+    cache.chmod(mode)
+    options = ["--auto", "--cache-dir", cache]
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    assert sorted(p.name for p in out.iterdir()) == [], (form, result)
+    assert result.returncode == 1 and facts is None, (form, result)
+    assert len(error_lines(result.stderr)) == 1, (form, result.stderr)
+    assert "--auto" in error_lines(result.stderr)[0], (form, result.stderr)
+    assert list(cache.glob("*.mpistage")) == [], form
+    assert not list((tmp_path / "out").iterdir()), form  # the program did not run
 
 
 def test_no_mpistage_process_imports_from_the_start_directory(

@@ -151,6 +151,60 @@ def test_what_cannot_be_mirrored_is_read_from_the_original(
     assert job_dirs(tmp_path / "stage") == []
 
 
+FLIPPED = """
+import importlib, importlib.resources, os
+from mpi4py import MPI
+world = MPI.COMM_WORLD
+root = importlib.resources.files("flippkg")
+got = [(root / "flip").read_text(), (root / "flop" / "inner.txt").read_text()]
+world.Barrier()
+if world.rank == 0:  # the original changes under the job: kinds swap places
+    folder = str(root)
+    os.rename(folder + "/flip", folder + "/flip.was")
+    os.rename(folder + "/flip.next", folder + "/flip")
+    os.rename(folder + "/flop", folder + "/flop.was")
+    os.rename(folder + "/flop.next", folder + "/flop")
+world.Barrier()
+importlib.invalidate_caches()
+got += [(root / "flip" / "inner.txt").read_text(), (root / "flop").read_text()]
+emit(got)
+"""
+
+
+def flip_site(site):
+    """A package with a file about to become a directory, and the reverse."""
+    pkg = site / "flippkg"
+    (pkg / "flop").mkdir(parents=True)
+    (pkg / "flip.next").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "flip").write_text("a file")
+    (pkg / "flop" / "inner.txt").write_text("below a directory")
+    (pkg / "flip.next" / "inner.txt").write_text("below what was a file")
+    (pkg / "flop.next").write_text("what was a directory")
+    return site
+
+
+def test_a_file_that_becomes_a_directory_is_read_from_the_original(tmp_path, stage_env):
+    """The node's copy holds the file where the original now has a directory
+    (and the reverse): what it cannot hold is read from the original."""
+    expected = ["a file", "below a directory"]
+    expected += ["below what was a file", "what was a directory"]
+    for how, ranks in (("plain", 1), ("live", 4)):
+        site = flip_site(tmp_path / f"site-{how}")
+        env = dict(stage_env, PYTHONPATH=str(site))
+        target = write_target(tmp_path / f"flip-{how}.py", FLIPPED)
+        if how == "plain":
+            done = run([PYTHON, target], env=env, cwd=tmp_path)
+            assert done.returncode == 0, done
+            assert json.loads((tmp_path / "out" / "plain.json").read_text()) == expected
+            (tmp_path / "out" / "plain.json").unlink()
+            continue
+        result = launch(ranks, [target], env, tmp_path)
+        assert result.returncode == 0, result
+        assert results(env, ranks) == [expected] * ranks
+        assert job_dirs(tmp_path / "stage") == []
+
+
 # -- what the copy still lacks after asking is plain python's ------------------------
 
 TRY_IMPORTS = """

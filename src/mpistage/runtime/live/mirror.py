@@ -33,6 +33,7 @@ out too when a library it needs from ``$ORIGIN`` is not in the copy.
 
 import os as _os
 
+from mpistage import StageError
 from mpistage.node.imports import FILES
 from mpistage.node.place import write_new
 
@@ -115,8 +116,10 @@ class CopyWriter:
                 return
             parent, _, leaf = rel.rpartition("/")
             fd = self.dirs.fd(parent)
-        except (OSError, ValueError):
-            return  # Not a path the copy can hold: the original is read.
+        except (OSError, ValueError, StageError):
+            # Not a path the copy can hold (StageError: the copy has a file
+            # where the original now has a directory): the original is read.
+            return
         self.written += 1
         tmp = f".mpistage-{_os.getpid()}-{self.written}.tmp"  # short: any leaf fits
         try:
@@ -132,7 +135,7 @@ class CopyWriter:
         parent, _, leaf = rel.rpartition("/")
         try:
             st = _os.stat(leaf, dir_fd=self.dirs.fd(parent), follow_symlinks=False)
-        except OSError:
+        except (OSError, StageError):  # StageError: a file on the way, see write_file
             return False
         return stat.S_ISREG(st.st_mode)
 

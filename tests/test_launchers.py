@@ -326,6 +326,28 @@ def test_srun_stages_with_sbcast_and_the_nodes_own_python(
             on_node(node, "rm", "-rf", str(folder), f"{folder}.in")
 
 
+def test_an_inputs_directory_already_on_a_node_is_left_alone(
+    slurm, env_bundle, shared, app, out
+):
+    """``DIR.in`` that exists on a node (the user's own, with results in it)
+    is neither adopted nor removed: the stage step refuses on that node."""
+    folder = Path(f"/dev/shm/mpistage-env-test-in-{os.getpid()}")
+    inputs, kept = f"{folder}.in", f"{folder}.in/results.txt"
+    launch = ["srun", "-n", "4", shared.python, app, out]
+    command = ["mpistage", "run", "--env", env_bundle, "--to", folder]
+    try:
+        assert on_node("n1", "mkdir", "-m", "700", inputs).returncode == 0
+        assert on_node("n1", "sh", "-c", f"echo work > {kept}").returncode == 0
+        result = run(["salloc", "-N", "2", "--quiet", *command, "--", *launch], slurm)
+        assert on_node("n1", "cat", kept).stdout == "work\n", result
+        assert result.returncode != 0, result
+        assert any(inputs in line for line in errors(result.stderr)), result
+        assert not shm_exists("n2", inputs)
+    finally:
+        for node in NODES:
+            on_node(node, "rm", "-rf", str(folder), inputs)
+
+
 @pytest.mark.parametrize(
     "alloc,line,ranks,staged_on",
     [

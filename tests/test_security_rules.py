@@ -672,3 +672,30 @@ def test_bad_npy_header_is_one_error_everywhere(tmp_path, stage_env, header):
     found = results(env, 2)
     assert len(set(found)) == 1, found
     assert "bad.npy" in found[0] and "\n" not in found[0], found
+
+
+RAW = """
+from mpi4py import MPI
+from mpistage import StageError, data
+try:
+    data.load(sys.argv[1], comm=MPI.COMM_WORLD, dtype=sys.argv[2])
+    emit("no error")
+except StageError as exc:
+    emit(str(exc))
+"""
+
+
+@pytest.mark.parametrize("size", [0, 64])
+@pytest.mark.parametrize("dtype", ["V0", "U0", "S0"])
+def test_raw_items_without_bytes_are_one_error_everywhere(
+    tmp_path, stage_env, dtype, size
+):
+    raw = tmp_path / "items.raw"
+    raw.write_bytes(bytes(size))
+    target = write_target(tmp_path / "t.py", "import sys\n" + RAW)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(2, [target, raw, dtype], env, timeout=QUICK + 10)
+    assert result.returncode == 0, result
+    found = results(env, 2)
+    assert len(set(found)) == 1, found
+    assert "no bytes" in found[0] and "\n" not in found[0], found

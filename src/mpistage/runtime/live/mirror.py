@@ -24,8 +24,9 @@ and removed like the runner's copy (:mod:`~mpistage.node.place`,
 :mod:`~mpistage.node.cleanup`). The paths come from the reader, a rank of
 the same job, and are still checked: absolute, no ``.`` or ``..``.
 
-A file that cannot be mirrored (an odd path, a name too long, a directory
-where a file was, a full disk) is left out, and the ranks read its original,
+A file that cannot be mirrored (an odd path, a name too long, a path whose
+kind changed since the copy took it: a file that is a directory now, or the
+reverse, a full disk) is left out, and the ranks read its original,
 as plain python would: one file never ends the job. So is a listing that
 no longer fits in the log. An extension is left
 out too when a library it needs from ``$ORIGIN`` is not in the copy.

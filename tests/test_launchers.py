@@ -277,10 +277,11 @@ def slurm_state(job):
     return done.stdout.strip()
 
 
+@pytest.mark.parametrize("end", ["scancel", "time limit"])
 def test_a_job_ended_before_its_clean_step_is_reaped(
-    slurm, env_bundle, shared, app, tmp_path
+    slurm, env_bundle, shared, app, tmp_path, end
 ):
-    """A job cancelled (or at its time limit) leaves ``DIR``; the next one reaps it.
+    """A job cancelled, or at its time limit, leaves ``DIR``; the next one reaps it.
 
     The stage marker is the owner record: ``mpistage clean`` lists the stage
     once its job ended, and the next job's stage step removes it.
@@ -292,11 +293,15 @@ def test_a_job_ended_before_its_clean_step_is_reaped(
     code += "time.sleep(300)"
     launch = ["srun", "-n", "2", shared.python, app]
     command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
-    first = start([*command, "--", *launch, one, code], env=slurm)
+    limit = ["-t", "1"] if end == "time limit" else []  # a minute, Slurm's least
+    first = start(
+        [*command[:4], *limit, *command[4:], "--", *launch, one, code], env=slurm
+    )
     try:
         wait_for(lambda: (one / "job").exists(), what="the first job's run step")
         job = (one / "job").read_text()
-        assert run(["scancel", job], env=slurm).returncode == 0
+        if end == "scancel":
+            assert run(["scancel", job], env=slurm).returncode == 0
         finish(first)
     finally:
         kill_session(first.pid)

@@ -572,6 +572,42 @@ def test_run_stages_runs_and_cleans(env_bundle, tmp_path, status):
     assert not (tmp_path / "run").exists()  # cleaned on every node
 
 
+# `rm` killed halfway through, with the shell that ran it (the job's end):
+# in a directory it removes the stage marker first, as an unordered walk may.
+CUT_RM = """#!/bin/sh
+for last; do :; done
+if [ -d "$last" ]; then
+  /bin/rm -f -- "$last/.mpistage-stage"
+  for entry in "$last"/*; do /bin/rm -rf -- "$entry"; break; done
+else
+  /bin/rm -f -- "$last"
+fi
+kill -9 $PPID $$
+"""
+
+
+def test_a_clean_step_cut_short_is_finished_by_the_next_run(env_bundle, tmp_path):
+    """The clean step killed halfway leaves what the next run can judge and remove.
+
+    The stage marker, the owner record, goes last: the next ``mpistage run``
+    into the same ``DIR`` finds a dead run's stage there and removes it.
+    """
+    folder = tmp_path / "run" / "n{node}"
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "rm").write_text(CUT_RM)
+    (stub / "rm").chmod(0o755)
+    env = dict(clean_environ(), MPISTAGE_EMULATE_NODES="2")
+    command = [MPIEXEC, "-n", "2", PYTHON, "-c", "pass"]
+    args = ["run", "--env", env_bundle, "--to", folder, "--", *command]
+    cut = dict(env, PATH=f"{stub}:{env['PATH']}")
+    mpistage(args, cut, cwd=tmp_path, timeout=120)
+    assert (tmp_path / "run" / "n0").is_dir()  # its removal cut short
+    result = mpistage(args, env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_environment_changed_since_pack_is_refused(env_bundle, venv, tmp_path):
     """An install after ``pack --env``: run and stage refuse in one line, --trust not.
 

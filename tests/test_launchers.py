@@ -219,42 +219,55 @@ def test_runner_counts_nodes_of_an_arbitrary_placement(slurm, tmp_path):
 
 
 TWO_RUNS = """\
-mpistage run --env "$1" -- srun -n 8 "$2" "$3" "$4/one" "import time; time.sleep(8)" &
+mpistage run --env "$1" -- srun {first} "$2" "$3" "$4/one" "time.sleep(8)" &
 first=$!
 sleep 2
-mpistage run --env "$1" -- srun --overlap -n 8 "$2" "$3" "$4/two" &
+mpistage run --env "$1" -- srun {second} "$2" "$3" "$4/two" &
 second=$!
 wait $first; one=$?
 wait $second; two=$?
 echo "status $one $two"
 """
 
+# The two ways two steps of one allocation run at once: every CPU held by
+# the first run step, the second sharing them (--overlap); or each run step
+# on CPUs of its own (--exclusive), with none left for a stage step.
+STEPS = {
+    "overlap": ("-n 8", "--overlap -n 8", 8),
+    "exclusive": ("--exclusive -n 4", "--exclusive -n 4", 4),
+}
 
-def test_two_runs_at_once_in_one_allocation(slurm, env_bundle, shared, app, tmp_path):
+
+@pytest.mark.parametrize("steps", sorted(STEPS))
+def test_two_runs_at_once_in_one_allocation(
+    slurm, env_bundle, shared, app, tmp_path, steps
+):
     """Two ``mpistage run`` of one allocation at once, every CPU busy: both run.
 
-    The first one's run step holds every CPU; the second one's run step
-    shares them (``--overlap``, the user's choice). Its stage step does not
-    wait for the first one's run step either (the stage and clean steps
-    overlap other steps), and each has its own ``DIR``: the first one's
-    clean step does not take the second one's.
+    The first one's run step holds every CPU, or the run steps hold them
+    all between them (``--exclusive``). The second one's stage step does not
+    wait for the first one's run step (the stage and clean steps overlap
+    other steps), and each has its own ``DIR``: the first one's clean step
+    does not take the second one's.
     """
+    first, second, ranks = STEPS[steps]
     before = node_stages()
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
     script = tmp_path / "two.sh"
-    script.write_text(TWO_RUNS)
+    script.write_text(TWO_RUNS.format(first=first, second=second))
     command = ["salloc", "-N", "2", "--quiet", "sh", script, env_bundle]
     result = run([*command, shared.python, app, tmp_path], env=slurm)
     assert result.returncode == 0, result
     assert "status 0 0" in result.stdout, result
-    one, two = rank_results(tmp_path / "one", 8), rank_results(tmp_path / "two", 8)
+    one = rank_results(tmp_path / "one", ranks)
+    two = rank_results(tmp_path / "two", ranks)
+    ended = min((tmp_path / "one" / f"{r}.json").stat().st_mtime for r in range(ranks))
+    began = max((tmp_path / "two" / f"{r}.json").stat().st_mtime for r in range(ranks))
+    assert began < ended + 8, "the second run waited for the first"
     assert staged_dir(one) != staged_dir(two)
     for results in (one, two):
         assert_on_own_node(results, staged_dir(results))
-    ended = min((tmp_path / "one" / f"{r}.json").stat().st_mtime for r in range(8))
-    began = max((tmp_path / "two" / f"{r}.json").stat().st_mtime for r in range(8))
-    assert began < ended + 8, "the second run waited for the first"
     assert left_on_nodes(before) == {"n1": set(), "n2": set()}
 
 
@@ -264,10 +277,11 @@ def slurm_state(job):
     return done.stdout.strip()
 
 
+@pytest.mark.parametrize("end", ["scancel", "time limit"])
 def test_a_job_ended_before_its_clean_step_is_reaped(
-    slurm, env_bundle, shared, app, tmp_path
+    slurm, env_bundle, shared, app, tmp_path, end
 ):
-    """A job cancelled (or at its time limit) leaves ``DIR``; the next one reaps it.
+    """A job cancelled, or at its time limit, leaves ``DIR``; the next one reaps it.
 
     The stage marker is the owner record: ``mpistage clean`` lists the stage
     once its job ended, and the next job's stage step removes it.
@@ -279,11 +293,15 @@ def test_a_job_ended_before_its_clean_step_is_reaped(
     code += "time.sleep(300)"
     launch = ["srun", "-n", "2", shared.python, app]
     command = ["salloc", "-N", "2", "--quiet", "mpistage", "run", "--env", env_bundle]
-    first = start([*command, "--", *launch, one, code], env=slurm)
+    limit = ["-t", "1"] if end == "time limit" else []  # a minute, Slurm's least
+    first = start(
+        [*command[:4], *limit, *command[4:], "--", *launch, one, code], env=slurm
+    )
     try:
         wait_for(lambda: (one / "job").exists(), what="the first job's run step")
         job = (one / "job").read_text()
-        assert run(["scancel", job], env=slurm).returncode == 0
+        if end == "scancel":
+            assert run(["scancel", job], env=slurm).returncode == 0
         finish(first)
     finally:
         kill_session(first.pid)

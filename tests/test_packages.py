@@ -10,6 +10,7 @@ from Agg, a fitted model's prediction, an HDF5 file written and read back):
 - ``pack`` by name, without and with ``--stdlib``;
 - ``record`` of one code path, replayed on another;
 - ``--auto`` twice, the second run on a code path the first did not take;
+- no bundle at all: live imports fill each node's copy as the ranks import;
 - ``mpistage.staged()``, with imports after the block;
 - ``pack --env`` and ``mpistage run``.
 
@@ -380,6 +381,15 @@ def test_auto_twice_on_two_paths(tier, name):
     assert report["auto"] == "replayed", report
     check(ranks, name, "more", tier.base / "stage")
     served(report)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_live_without_a_bundle(tier, name):
+    """No bundle: each node's copy is filled as the ranks import (live imports)."""
+    ranks, report = job(tier, "live", lambda out: runner(tier, out, [], "more"))
+    assert report["live"]["mode"] == "live", report["live"]
+    assert report["live"]["read_files"] > 100, report["live"]
+    check(ranks, name, "more", tier.base / "stage")
 
 
 # matplotlib keeps its data path, found inside the block, for good (its

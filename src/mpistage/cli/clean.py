@@ -43,6 +43,24 @@ mine() {
 }
 """
 
+# drop DIR [contents]: remove what is in DIR, its stage marker last, then
+# DIR itself (unless "contents"). A removal cut short (the job's end, its
+# processes killed) leaves the marker, the owner record by which the next
+# job's stage step, or `mpistage clean`, knows the rest for garbage.
+DROP = r"""
+drop() {
+  for _e in "$1"/* "$1"/.[!.]* "$1"/..?*; do
+    { [ -e "$_e" ] || [ -L "$_e" ]; } || continue
+    [ "$_e" = "$1/.mpistage-stage" ] || rm -rf -- "$_e" || return 1
+  done
+  if [ "$2" = contents ]; then
+    rm -f -- "$1/.mpistage-stage"
+  else
+    rm -rf -- "$1"
+  fi
+}
+"""
+
 # sh -c REMOVE_STAGE mpistage-clean TOKEN DIR...: remove what the run with
 # TOKEN made of each DIR (the directory, or what it put in an existing one);
 # leave anything else: another run's stage, one reached through a symlink,
@@ -50,6 +68,7 @@ mine() {
 # this user's is said in one line.
 REMOVE_STAGE = (
     MINE
+    + DROP
     + r"""
 status=0
 token=$1
@@ -66,11 +85,7 @@ for dir in "$@"; do
     status=1
   elif found=$(mine "$dir" "$token"); then
     real=${found#* }
-    if [ "${found%% *}" = dir ]; then
-      rm -rf -- "$real" || status=1
-    else
-      (cd -P -- "$real" && rm -rf -- ./* ./.[!.]* ./..?*) || status=1
-    fi
+    drop "$real" "${found%% *}" || status=1
   fi
 done
 exit $status

@@ -65,6 +65,7 @@ exit 1
 EXTRACT = rf"""
 node=${{SLURMD_NODENAME:-$(uname -n)}}
 {{MINE}}
+{{DROP}}
 if ! found=$(mine "$1" "$4"); then
   echo "mpistage: error: on $node: $1 is not this run's directory; not staged" >&2
   exit 1
@@ -78,7 +79,7 @@ if [ $status -eq {TOO_OLD} ] && [ "$python" != "$3" ]; then
   "$3" -E -s -S "$real/{EXTRACTOR}" "$real/{BUNDLE}" "$2" "$4"
   status=$?
 fi
-rm -rf -- "$real"
+drop "$real" dir
 exit $status
 """
 
@@ -115,12 +116,12 @@ def commands(launch, bundle, folder, extractor, token):
     *token* is the run's (:attr:`mpistage.cli.run.Plan.token`): what the
     step makes carries it, and only that is removed.
     """
-    from mpistage.cli.clean import MINE
+    from mpistage.cli.clean import DROP, MINE
 
     there = inputs(folder)
     cast = sbcast(launch)
     per_node = launch.per_node()
-    extract = EXTRACT.replace("{MINE}", MINE)
+    extract = EXTRACT.replace("{MINE}", MINE).replace("{DROP}", DROP)
     return [
         [*per_node, "/bin/sh", "-c", PREPARE, "mpistage-prepare", there, token],
         [cast, "--force", extractor, f"{there}/{EXTRACTOR}"],

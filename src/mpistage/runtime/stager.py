@@ -20,7 +20,7 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
-from mpistage.runtime.envreap import MARKER, read_marker
+from mpistage.runtime.envreap import MARKER, dead, read_marker
 from mpistage.runtime.stage import Place
 
 # What a node-side extraction imports (the Slurm stage step's extractor,
@@ -99,7 +99,9 @@ class TargetPlace(Place):
     of the ``mpistage run`` whose stage step this is, the real path of
     ``DIR``, and whether the step made ``DIR`` itself or only filled an
     existing one. A stage reused as it is keeps its maker's fields: the
-    clean step of a run removes only what that run made.
+    clean step of a run removes only what that run made; but a stage whose
+    run ended here (its clean step cut short) is garbage, and the run that
+    reuses it removes it as its own.
     """
 
     def __init__(self, folder, token=""):
@@ -130,6 +132,8 @@ class TargetPlace(Place):
         marker = read_marker(root.fd)
         if marker.get("sha256") == digest and marker.get("state") == "complete":
             root.marks = made_fields(marker)  # its maker's, not this run's
+            if self.token and dead(marker):  # garbage of a run gone: this run's
+                root.marks["token"] = self.token
             if owner_changed(marker):  # this job's from now on, for the reaper
                 write_marker(root.fd, digest, "complete", root.marks)
             root.reused = True
@@ -202,7 +206,6 @@ def reap_beside(root):
 def emptied_if_dead(root, marker):
     """Empty ``DIR`` if it holds a stage of a job that ended here; whether it did."""
     from mpistage.node.cleanup import empty
-    from mpistage.runtime.envreap import dead
 
     if not marker or not dead(marker):
         return False

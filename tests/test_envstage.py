@@ -585,12 +585,20 @@ fi
 kill -9 $PPID $$
 """
 
+# Run by every rank: whether the environment it runs in has each bin/ NAME.
+WHOLE_CODE = (
+    "import os, sys; "
+    "sys.exit(not all(os.path.lexists(os.path.join(sys.prefix, 'bin', n)) "
+    "for n in sys.argv[1:]))"
+)
+
 
 def test_a_clean_step_cut_short_is_finished_by_the_next_run(env_bundle, tmp_path):
     """The clean step killed halfway leaves what the next run can judge and remove.
 
     The stage marker, the owner record, goes last: the next ``mpistage run``
-    into the same ``DIR`` finds a dead run's stage there and removes it.
+    into the same ``DIR`` finds a dead run's stage there, stages it again
+    (never runs on the half-removed one), and removes it.
     """
     folder = tmp_path / "run" / "n{node}"
     stub = tmp_path / "stub"
@@ -602,7 +610,12 @@ def test_a_clean_step_cut_short_is_finished_by_the_next_run(env_bundle, tmp_path
     args = ["run", "--env", env_bundle, "--to", folder, "--", *command]
     cut = dict(env, PATH=f"{stub}:{env['PATH']}")
     mpistage(args, cut, cwd=tmp_path, timeout=120)
-    assert (tmp_path / "run" / "n0").is_dir()  # its removal cut short
+    n0, n1 = tmp_path / "run" / "n0", tmp_path / "run" / "n1"
+    assert (n0 / ".mpistage-stage").is_file()  # its removal cut short
+    gone = sorted(set(os.listdir(n1 / "bin")) - set(os.listdir(n0 / "bin")))
+    assert gone, "the cut-short clean step removed nothing"
+    command = [MPIEXEC, "-n", "2", PYTHON, "-c", WHOLE_CODE, *gone]
+    args = ["run", "--env", env_bundle, "--to", folder, "--", *command]
     result = mpistage(args, env, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result
     assert not (tmp_path / "run").exists()

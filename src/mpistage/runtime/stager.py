@@ -99,9 +99,10 @@ class TargetPlace(Place):
     of the ``mpistage run`` whose stage step this is, the real path of
     ``DIR``, and whether the step made ``DIR`` itself or only filled an
     existing one. A stage reused as it is keeps its maker's fields: the
-    clean step of a run removes only what that run made; but a stage whose
-    run ended here (its clean step cut short) is garbage, and the run that
-    reuses it removes it as its own.
+    clean step of a run removes only what that run made. A stage whose run
+    ended here is never reused: its clean step may have been cut short
+    (the marker goes last, so it still says "complete"); it is emptied and
+    staged again, and this run's clean step removes it.
     """
 
     def __init__(self, folder, token=""):
@@ -130,10 +131,8 @@ class TargetPlace(Place):
         reap_beside(root)
         digest = manifest_digest(buf)
         marker = read_marker(root.fd)
-        if marker.get("sha256") == digest and marker.get("state") == "complete":
+        if reusable(marker, digest):
             root.marks = made_fields(marker)  # its maker's, not this run's
-            if self.token and dead(marker):  # garbage of a run gone: this run's
-                root.marks["token"] = self.token
             if owner_changed(marker):  # this job's from now on, for the reaper
                 write_marker(root.fd, digest, "complete", root.marks)
             root.reused = True
@@ -179,6 +178,16 @@ def unmade(root):
             pass  # It holds something: the marker, or what another wrote.
     if root.fd is not None:
         root.close()
+
+
+def reusable(marker, digest):
+    """Whether ``DIR``'s stage, with *marker*, is a whole stage of this bundle.
+
+    A stage of a run that ended here may be half removed: never reused.
+    """
+    if marker.get("sha256") != digest or marker.get("state") != "complete":
+        return False
+    return not dead(marker)
 
 
 def made_fields(marker):

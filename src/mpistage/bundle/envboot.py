@@ -5,8 +5,12 @@ Python, which must not read mpistage from the shared file system. So the
 bundle carries the code that unpacks it: the manifest's ``launch`` field
 holds the sources of the modules :mod:`mpistage.runtime.envlaunch` needs,
 as JSON ``{dotted name: [source, is a package]}``, compressed with zlib
-and in base64. The manifest's SHA-256 is in the bundle's header, so the
-code is checked before it runs (``bin/mpistage-env``'s boot code).
+and in base64. Before any of it runs, ``bin/mpistage-env``'s boot code
+checks the manifest against the header's SHA-256, then the code itself
+against the SHA-256 the script carries (``LAUNCH_SHA256``, the
+:func:`launch_digest` of the sources it was installed with): a bundle
+runs only the unpacking code of the mpistage-env that reads it, never
+code another user put in it.
 """
 
 import os as _os
@@ -24,8 +28,15 @@ def modules():
 def launch_field():
     """Return the manifest's ``launch`` field: the extraction's own code."""
     import base64
-    import json
     import zlib
+
+    packed = zlib.compress(launch_code(), 9)
+    return {"format": FORMAT, "modules": base64.b64encode(packed).decode("ascii")}
+
+
+def launch_code():
+    """The extraction's sources, as the JSON bytes the ``launch`` field packs."""
+    import json
 
     import mpistage
 
@@ -34,8 +45,14 @@ def launch_field():
     for name in modules():
         with open(_os.path.join(package, f"{name}.py"), encoding="utf-8") as f:
             sources[dotted(name)] = [f.read(), name.endswith("__init__")]
-    packed = zlib.compress(json.dumps(sources, sort_keys=True).encode(), 9)
-    return {"format": FORMAT, "modules": base64.b64encode(packed).decode("ascii")}
+    return json.dumps(sources, sort_keys=True).encode()
+
+
+def launch_digest():
+    """The SHA-256 (hex) of :func:`launch_code`: ``LAUNCH_SHA256`` in ``bin/mpistage-env``."""
+    import hashlib
+
+    return hashlib.sha256(launch_code()).hexdigest()
 
 
 def dotted(name):

@@ -38,6 +38,11 @@ def job_id():
     return value.split(".")[0] if value else None
 
 
+def job_var():
+    """Return the name of the variable :func:`job_id` comes from, or ``""``."""
+    return next((n for n in JOB_VARS if _os.environ.get(n)), "")
+
+
 PROXIES = ("hydra_pmi_proxy",)  # launcher processes that start the ranks of a node
 # The processes that start a launch's ranks on a node, one per launch and
 # node: its instance is one of them, named by its pid and start time.

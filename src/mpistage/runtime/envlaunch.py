@@ -26,11 +26,13 @@ import sys as _sys
 from mpistage import StageError
 
 FAILED, LAUNCH, LIBRARIES = "failed", "launch", "libraries"  # files in DIR.in
-# Waits for the launch's process on this node, then removes the copy.
+# Waits for the launch's process on this node, then removes the copy: it
+# moves DIR into its claim (a directory of this user alone, where nobody
+# can plant a name to move it to), then removes the claim with it. Cut
+# short, it leaves a claim whose owner record the next launch judges.
 WATCHDOG = (
     'cd / && while kill -0 "$1" 2>/dev/null; do sleep 1; done; '
-    't="$2.removing-$$"; mv -- "$2" "$t" 2>/dev/null && rm -rf -- "$t"; '
-    'rm -rf -- "$3"'
+    'mv -T -- "$2" "$3/removing" 2>/dev/null; rm -rf -- "$3"'
 )
 
 

@@ -9,6 +9,9 @@ the stage step. A stage is dead when, on the host that holds it:
 - its ``mpistage run`` ran on this host and is gone, or
 - its Slurm job has no step on this node and Slurm says it has ended
   (``squeue``: unknown, or in a final state);
+- its job of another scheduler (PBS, LSF, Flux: the marker's ``jobvar``)
+  has no process left on this node: none carries the job's variable in
+  its environment (a job's batch script and steps all do);
 
 and nothing says otherwise. A stage kept with ``--keep``, one of another
 host, or one with nothing to judge it by (``mpistage stage`` by hand, with
@@ -36,12 +39,13 @@ def read_marker(fd):
 
 def owner_fields():
     """The owner fields of a stage marker made by this process."""
-    from mpistage.node.launch import job_id
+    from mpistage.node.launch import job_id, job_var
     from mpistage.settings import get
 
     return {
         "host": _os.uname().nodename,
         "job": job_id() or "",
+        "jobvar": job_var(),
         "run": get("MPISTAGE_RUN_OWNER"),
         "keep": get("MPISTAGE_RUN_KEEP"),
     }
@@ -59,8 +63,34 @@ def dead(marker, kept_too=False):
     if host == _os.uname().nodename and alive(pid if pid.isdigit() else None):
         return False
     if marker.get("job"):
-        return not slurm_job_here(marker["job"]) and slurm_job_ended(marker["job"])
+        return job_ended_here(marker["job"], marker.get("jobvar") or "SLURM_JOB_ID")
     return host == _os.uname().nodename  # its mpistage run, here, is gone
+
+
+def job_ended_here(job, var):
+    """Whether the scheduler's job *job* (named by *var*) has ended on this node."""
+    if var != "SLURM_JOB_ID":
+        return not job_in_environ(var, job)
+    return not slurm_job_here(job) and slurm_job_ended(job)
+
+
+def job_in_environ(var, job):
+    """Whether a process on this host carries ``VAR=JOB`` (or ``JOB.…``) in its
+    environment: only a scheduler's job of that id has one. Another user's
+    processes cannot be read, and need not be: the stage is this user's.
+    """
+    want = f"{var}={job}".encode()
+    for pid in _os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                entries = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(e == want or e.startswith(want + b".") for e in entries):
+            return True
+    return False
 
 
 def slurm_job_here(job):

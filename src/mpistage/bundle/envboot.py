@@ -49,7 +49,7 @@ def launch_code():
 
 
 def launch_digest():
-    """The SHA-256 (hex) of :func:`launch_code`: ``LAUNCH_SHA256`` in ``bin/mpistage-env``."""
+    """The SHA-256 of :func:`launch_code`: the script's ``LAUNCH_SHA256``."""
     import hashlib
 
     return hashlib.sha256(launch_code()).hexdigest()

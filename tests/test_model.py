@@ -13,6 +13,7 @@ import pytest
 from mpistage.bench.model import Inputs, Machine, predict
 from mpistage.bench.model.cli import cli_model
 from mpistage.bench.model.equations import MODES
+from mpistage.bench.model.plot import plot_ranks
 from mpistage.bench.model.seeds import (
     SEEDS,
     blue_waters_cache,
@@ -20,7 +21,6 @@ from mpistage.bench.model.seeds import (
     edison_launch,
     seed_ratios,
 )
-from mpistage.bench.model.plot import plot_ranks
 
 # A machine with round numbers: 1,000 ops/s per stream, 4 at once.
 HAND = Machine(

@@ -253,6 +253,8 @@ def test_seeds_put_the_model_beside_the_published_figures(capsys):
     for published in ("438", "76.1", "215", "87.2", "2.16", "4,200", "420", "110"):
         assert f"| {published} |" in out
     assert out.count("(outside 2×)") == 1
+    assert "8 fit rows, each setting one parameter; 11 of 12 check rows" in out
+    assert "outside 2×: Hopper, Warp, 40K cores, DLcache + FMcache (2.28): " in out
 
 
 def test_every_seed_row_is_within_two_times_but_the_one_said_to_be_outside():

@@ -314,7 +314,24 @@ def seed_table(machine):
         "| model / published | MDS ops/s that would match | published figure |",
         "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
-    return "\n".join(lines + [seed_row(seed, machine) for seed in SEEDS])
+    lines += [seed_row(seed, machine) for seed in SEEDS]
+    return "\n".join(lines + [""] + seed_summary(machine))
+
+
+def seed_summary(machine):
+    """Return the lines that count the fit and check rows and name the outliers."""
+    ratios = seed_ratios(machine)
+    checks = [r for r in ratios if r[1] == "check"]
+    inside = [r for r in checks if 0.5 <= r[2] <= 2.0]
+    lines = [
+        f"{len(ratios) - len(checks)} fit rows, each setting one parameter; "
+        f"{len(inside)} of {len(checks)} check rows within 0.5-2.0."
+    ]
+    for seed, (case, _, ratio) in zip(SEEDS, ratios, strict=True):
+        if not 0.5 <= ratio <= 2.0:
+            why = seed.get("outside", "no reason recorded")
+            lines.append(f"outside 2×: {case} ({ratio:.2f}): {why}.")
+    return lines
 
 
 def seed_row(seed, machine):

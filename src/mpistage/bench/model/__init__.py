@@ -12,7 +12,13 @@ takes at P ranks on N nodes. The modes differ only in those counts:
   per node, then every rank imports locally;
 - ``mpistage-trust``: the runner without the staleness check;
 - ``staged-env``: a stage step (one process per node) copies the whole
-  environment to every node; the run step makes no shared-FS operation.
+  environment to every node; the run step makes no shared-FS operation;
+- ``env-launch``: one launch; one process per node reads the environment
+  bundle from the shared FS and unpacks it;
+- ``env-launch-bcast``: one launch; the launcher (``srun --bcast``) reads
+  the bundle once and its tree carries it to every node.
+
+Every mode also pays the launcher's start and MPI_Init.
 
 One module per job: :mod:`.equations` (the machine, a mode's inputs and the
 seconds of each step; docs/scale.md has the same equations), :mod:`.inputs`

@@ -13,6 +13,9 @@ from mpistage.bench.model.equations import MODES, Machine
 from mpistage.bench.model.fit import inputs_from_results
 from mpistage.bench.model.inputs import (
     DEFAULT_SOURCE,
+    ENVIRONMENTS,
+    GPU_RANKS_PER_NODE,
+    GPU_SOURCE,
     INPUT_KEYS,
     apply_sets,
     default_inputs,
@@ -38,6 +41,12 @@ def parser():
     what = p.add_mutually_exclusive_group()
     what.add_argument("--validate", metavar="RESULTS", help="model vs measured totals")
     what.add_argument("--seeds", action="store_true", help="model vs published figures")
+    p.add_argument(
+        "--env",
+        choices=ENVIRONMENTS,
+        default="numpy",
+        help="built-in inputs: numpy (200 MB), or gpu (8 GB, torch, 64 ranks/node)",
+    )
     p.add_argument("--results", metavar="RESULTS", help="inputs from bench run")
     p.add_argument("--workload", help="workload of the results file")
     p.add_argument("--layout", default="realistic", help="layout of the rows to use")
@@ -73,6 +82,10 @@ def machine_flags(p):
     flag("--bcast", choices=("pipeline", "binomial"), help="(pipeline)")
     flag("--chunk", metavar="SIZE", help="pipelined broadcast chunk (4MiB)")
     flag("--local-bw", metavar="BW", help="node-local checksum and write (1GB/s)")
+    flag("--launch-base", metavar="TIME", help="launch and MPI_Init, fixed (3s)")
+    flag("--launch-node", metavar="TIME", help="launch, per node (6.44ms)")
+    flag("--launch-rank", metavar="TIME", help="launch, per rank (0.672ms)")
+    flag("--tree-width", type=int, metavar="W", help="launcher's bcast tree (8)")
     flag("--cores", type=float, metavar="N", help="cores all ranks share (none)")
 
 
@@ -83,6 +96,10 @@ def machine_from_args(args, base):
         changes[name] = getattr(args, name)
     changes["cores"] = args.cores
     changes["bcast"] = args.bcast
+    changes["tree_width"] = args.tree_width
+    for name in ("launch_base", "launch_node", "launch_rank"):
+        value = getattr(args, name)
+        changes[name] = value and parse_time(value, "--" + name.replace("_", "-"))
     changes["net_latency"] = args.net_latency and parse_time(
         args.net_latency, "--net-latency"
     )
@@ -99,7 +116,7 @@ def machine_from_args(args, base):
 def check_machine(machine):
     """Refuse parameters the equations cannot use."""
     positive = ("mds_rate", "mds_concurrency", "ranks_per_node", "fs_bw")
-    positive += ("client_bw", "net_bw", "chunk", "local_bw")
+    positive += ("client_bw", "net_bw", "chunk", "local_bw", "tree_width")
     for name in positive:
         if not getattr(machine, name) > 0:
             flag = "--" + name.replace("_", "-")
@@ -116,7 +133,8 @@ def gather_inputs(args, modes):
     Built-in inputs first, then the results file's modes, then the inputs
     file, then ``--set``: each layer changes only what it names.
     """
-    label, inputs, notes = DEFAULT_SOURCE, default_inputs(), []
+    label = GPU_SOURCE if args.env == "gpu" else DEFAULT_SOURCE
+    inputs, notes = default_inputs(args.env), []
     if args.results:
         workload, found, notes = inputs_from_results(
             args.results, args.workload, args.layout
@@ -154,7 +172,8 @@ def check_modes(modes, inputs):
 
 def run_prediction(args):
     """Print the prediction table (and save the plot); return 0."""
-    machine = machine_from_args(args, Machine())
+    base = Machine(ranks_per_node=GPU_RANKS_PER_NODE if args.env == "gpu" else 32)
+    machine = machine_from_args(args, base)
     ranks = parse_counts(args.ranks, "--ranks")
     modes = pick_modes(args.modes)
     label, inputs, notes = gather_inputs(args, modes)

@@ -10,8 +10,15 @@ import math as _math
 
 from mpistage.bench.units import MIB
 
-STEPS = ("metadata", "read", "broadcast", "write", "run")
-MODES = ("plain", "mpistage", "mpistage-trust", "staged-env", "env-launch")
+STEPS = ("metadata", "read", "broadcast", "write", "run", "launch")
+MODES = (
+    "plain",
+    "mpistage",
+    "mpistage-trust",
+    "staged-env",
+    "env-launch",
+    "env-launch-bcast",
+)
 INF = float("inf")
 
 
@@ -31,6 +38,16 @@ class Machine:
     chunk: float = 4 * MIB
     local_bw: float = 1e9  # a leader checksums and writes its copy, bytes/s
     cores: float | None = None  # cores all ranks share (one machine); None: 1 each
+    # The launcher's start and MPI_Init: base + per node + per rank, fitted on
+    # python-mpi-bcast's Edison sweep (seeds.EDISON_* and seeds.edison_launch).
+    launch_base: float = 2.998
+    launch_node: float = 6.441e-3
+    launch_rank: float = 6.717e-4
+    # The launcher's file broadcast (srun --bcast, sbcast): Slurm sends one
+    # block at a time down a tree of tree_width (file_bcast.c: MAX_THREADS 8)
+    # and waits for every node's reply before the next block.
+    tree_width: int = 8
+    tree_block: float = 8 * MIB
 
 
 @_dataclasses.dataclass
@@ -45,6 +62,8 @@ class Inputs:
     bytes_node: float = 0.0  # shared-FS bytes the stage process of a node reads
     bundle_bytes: float = 0.0  # read once, broadcast, written once per node
     bundle_per_node: float = 0.0  # 1: each node reads the bundle itself, no broadcast
+    bundle_tree: float = 0.0  # 1: the launcher's tree broadcasts it (srun --bcast)
+    stage_launch: float = 0.0  # 1: a stage step, one process per node, launched first
     run_s: float = 0.0  # local CPU time of start-up and imports, per rank
     write_s: float | None = None  # staging seconds per node; None: bundle/local_bw
 
@@ -60,9 +79,10 @@ def predict(inputs, ranks, nodes, machine):
     steps = {
         "metadata": metadata_seconds(inputs, ranks, nodes, machine),
         "read": read_seconds(inputs, ranks, nodes, machine),
-        "broadcast": broadcast_seconds(broadcast_bytes(inputs), nodes, machine),
+        "broadcast": bundle_broadcast_seconds(inputs, nodes, machine),
         "write": write_seconds(inputs, nodes, machine),
         "run": inputs.run_s * shared(ranks, machine.cores),
+        "launch": job_launch_seconds(inputs, ranks, nodes, machine),
     }
     steps["total"] = sum(steps.values())
     return steps
@@ -112,6 +132,48 @@ def bundle_read_seconds(inputs, nodes, machine):
     if inputs.bundle_per_node:
         return max(nodes * size / machine.fs_bw, size / machine.client_bw)
     return size / machine.client_bw
+
+
+def launch_seconds(ranks, nodes, machine):
+    """Return the launcher's start of *ranks* processes on *nodes* nodes, with
+    MPI_Init: a fixed part, a part per node (the fan-out), a part per rank
+    (the PMI exchange of every rank's address)."""
+    return (
+        machine.launch_base + nodes * machine.launch_node + ranks * machine.launch_rank
+    )
+
+
+def job_launch_seconds(inputs, ranks, nodes, machine):
+    """Return the launches of a job: its own, and a stage step's before it."""
+    seconds = launch_seconds(ranks, nodes, machine)
+    if inputs.stage_launch:
+        seconds += launch_seconds(nodes, nodes, machine)
+    return seconds
+
+
+def bundle_broadcast_seconds(inputs, nodes, machine):
+    """Return the time the bundle takes to reach every node after its read."""
+    if inputs.bundle_tree:
+        return tree_seconds(inputs.bundle_bytes, nodes, machine)
+    return broadcast_seconds(broadcast_bytes(inputs), nodes, machine)
+
+
+def tree_seconds(nbytes, nodes, machine):
+    """Return the launcher's broadcast of *nbytes* to *nodes* nodes (sbcast).
+
+    Each block goes down ⌈log_W N⌉ levels; at each level a node sends it to
+    its W children over its one link; the next block leaves only when every
+    node has answered. So the levels do not overlap: every level costs
+    W·S/β for the whole file, plus one latency per block.
+    """
+    if nbytes <= 0 or nodes <= 1:
+        return 0.0
+    depth, reach = 0, 1
+    while reach < nodes:
+        depth, reach = depth + 1, reach * machine.tree_width
+    blocks = _math.ceil(nbytes / machine.tree_block)
+    per_level = machine.tree_width * nbytes / machine.net_bw
+    return depth * (blocks * machine.net_latency + per_level)
 
 
 def broadcast_bytes(inputs):

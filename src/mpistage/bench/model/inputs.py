@@ -40,8 +40,13 @@ DEFAULT_INPUTS = {
     "plain": Inputs(ops_rank=6073, bytes_rank=14.9e6, run_s=RUN_S),
     "mpistage": runner_inputs(rank0_extra=508),
     "mpistage-trust": runner_inputs(rank0_extra=212),
+    # a stage step launched first, one process per node, then the job
     "staged-env": Inputs(
-        ops_node=1829, bytes_node=F_BYTES, bundle_bytes=200e6, run_s=RUN_S
+        ops_node=1829,
+        bytes_node=F_BYTES,
+        bundle_bytes=200e6,
+        run_s=RUN_S,
+        stage_launch=1.0,
     ),
     # mpistage-env: a rank execs the script and sh reads it; one process per
     # node opens the bundle and reads it whole (docs/benchmarks.md, 4b).
@@ -52,7 +57,42 @@ DEFAULT_INPUTS = {
         bundle_per_node=1.0,
         run_s=RUN_S,
     ),
+    # srun --bcast: the launcher reads the one file (script and bundle) once,
+    # its tree carries it to every node, each rank execs the node's copy.
+    "env-launch-bcast": Inputs(
+        ops_job=ENV_NODE_OPS, bundle_bytes=200e6, bundle_tree=1.0, run_s=RUN_S
+    ),
 }
+
+# A GPU stack: an 8 GB environment (torch with its CUDA libraries), on nodes
+# of 4 GPUs and 64 ranks. The import's counts are documentation, not ours:
+# pytorch/pytorch#97106 profiles `import torch` (torch 2.0): 1,287
+# io.open_code, 5,408 posix.stat and 164 posix.listdir, 4.3 s in all.
+GPU_BUNDLE = 8e9
+GPU_RANKS_PER_NODE = 64
+TORCH_OPS = 1287 + 5408 + 164
+TORCH_RUN_S = 4.3  # that profile's whole import: an upper bound for a local copy
+
+
+def gpu_inputs():
+    """Return the built-in inputs of the GPU environment, one per mode."""
+    inputs = {m: _dataclasses.replace(i) for m, i in DEFAULT_INPUTS.items()}
+    # plain pays F and torch's lookups; its data reads are not counted
+    inputs["plain"] = Inputs(ops_rank=F_OPS + TORCH_OPS, run_s=TORCH_RUN_S)
+    for mode in MODES_WITH_BUNDLE:
+        inputs[mode].bundle_bytes = GPU_BUNDLE
+        inputs[mode].run_s = TORCH_RUN_S
+    return inputs
+
+
+MODES_WITH_BUNDLE = (
+    "mpistage",
+    "mpistage-trust",
+    "staged-env",
+    "env-launch",
+    "env-launch-bcast",
+)
+ENVIRONMENTS = ("numpy", "gpu")
 DEFAULT_SOURCE = (
     "built-in numpy inputs (realistic layout on the simulated shared FS, "
     "1 rank, caches off; see docs/scale.md)"
@@ -60,8 +100,16 @@ DEFAULT_SOURCE = (
 INPUT_KEYS = tuple(f.name for f in _dataclasses.fields(Inputs))
 
 
-def default_inputs():
+GPU_SOURCE = (
+    "built-in GPU environment: 8 GB bundle, torch's import counts from "
+    "pytorch/pytorch#97106 (see docs/scale.md)"
+)
+
+
+def default_inputs(environment="numpy"):
     """Return a fresh copy of the built-in inputs, one per mode."""
+    if environment == "gpu":
+        return gpu_inputs()
     return {m: _dataclasses.replace(i) for m, i in DEFAULT_INPUTS.items()}
 
 

@@ -32,7 +32,10 @@ def describe(machine, per_node=True):
         f"{rate(machine.fs_bw)} (one reader {rate(machine.client_bw)}); network "
         f"{machine.net_latency / US:g} µs, {rate(machine.net_bw)}, {machine.bcast}"
         f" broadcast of {machine.chunk / MIB:g} MiB chunks; node-local write "
-        f"{rate(machine.local_bw)}{cores}"
+        f"{rate(machine.local_bw)}{cores}; launch {machine.launch_base:g} s + "
+        f"{machine.launch_node * 1e3:.3g} ms/node + {machine.launch_rank * 1e3:.3g} "
+        f"ms/rank; launcher tree of {machine.tree_width}, {machine.tree_block / MIB:g}"
+        " MiB blocks"
     )
 
 
@@ -40,8 +43,8 @@ def prediction_table(inputs, modes, ranks_list, machine):
     """Return the markdown table of every step, per rank count and mode."""
     lines = [
         "| ranks | nodes | mode | metadata s | read s | broadcast s | stage write s "
-        "| run s | total s |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| run s | launch s | total s |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for ranks in ranks_list:
         nodes = nodes_for(ranks, machine)
@@ -65,7 +68,8 @@ def inputs_table(inputs, modes):
             f"| {mode} | {i.ops_rank:,.0f} | {i.ops_rank0_extra:,.0f} "
             f"| {i.ops_node:,.0f} | {i.ops_job:,.0f} | {i.bytes_rank / MB:.1f} "
             f"| {i.bytes_node / MB:.1f} | {i.bundle_bytes / MB:.1f}"
-            f"{' per node' if i.bundle_per_node else ''} "
+            f"{' per node' if i.bundle_per_node else ''}"
+            f"{' by the launcher' if i.bundle_tree else ''} "
             f"| {i.run_s:.2f} |"
         )
     return "\n".join(lines)

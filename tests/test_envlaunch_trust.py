@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stagetools import MPIEXEC, rewrite_manifest, run
+from stagetools import MPIEXEC, PYTHON, pack, rewrite_manifest, run
 from test_envlaunch import APP, SCRIPT, environ, launch, results, settled
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
@@ -209,6 +209,27 @@ def test_a_copy_of_an_ended_job_of_any_scheduler_goes_with_the_next(
     assert second.returncode == 0, second
     now = names(place)
     assert len(now) == 4 and all("-4712-" in n for n in now), now
+    remove_all(place)
+
+
+def test_a_copy_of_an_ended_job_goes_with_the_next_runner_job(
+    env_bundle, tmp_path, place
+):
+    """A job's copy outlives it (its time limit came before any clean step);
+    the next mpistage process of any kind on the node removes it: here the
+    runner, with a bundle of its own."""
+    first = launch(env_bundle, tmp_path, environ(place, FLUX_JOB_ID="f7"))
+    assert first.returncode == 0 and len(names(place)) == 4, first
+    package = tmp_path / "src" / "tinypkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("X = 1\n")
+    bundle = pack(tmp_path / "app.mpistage", "--path", package.parent)
+    app = package.parent / "uses_tiny.py"
+    app.write_text("import tinypkg\nprint('TINY', tinypkg.X)\n")
+    command = [MPIEXEC, "-n", "2", PYTHON, "-m", "mpistage", "--bundle", bundle, app]
+    result = run(command, environ(place), cwd=tmp_path, timeout=120)
+    assert result.returncode == 0 and result.stdout.count("TINY 1") == 2, result
+    assert not [n for n in names(place) if n.startswith("mpistage-env-")]
     remove_all(place)
 
 

@@ -62,12 +62,10 @@ class JobPlace(Place):
 
     def make(self, buf, footprint):
         """Create, guard and return this node's staging root."""
-        from mpistage.node.cleanup import guard, reap_dead_roots
+        from mpistage.node.cleanup import guard
         from mpistage.node.place import make_root, write_owner
 
-        root = make_root(
-            self.tag, self.node, footprint, skip=self.full, reap=reap_dead_roots
-        )
+        root = make_root(self.tag, self.node, footprint, skip=self.full, reap=reap)
         guard(root)
         write_owner(root, self.tag)
         return root
@@ -182,3 +180,18 @@ def stage(topo, path, place, kind="packages", check=None):
     if verdict:
         raise StageError(verdict)
     return distribute(topo, buf, manifest, place, path)
+
+
+def reap(candidate_fd):
+    """Remove this user's leftovers of ended jobs in a candidate: staging roots,
+    and environment copies (``mpistage-env``, ``mpistage run``) that a job
+    killed at its time limit left, gigabytes each at GPU size.
+    """
+    from mpistage.node.cleanup import reap_dead_roots
+    from mpistage.runtime.envreap import reap as reap_copies
+
+    reap_dead_roots(candidate_fd)
+    try:
+        reap_copies(candidate_fd)
+    except OSError:
+        pass  # A directory that changes under us: `mpistage clean` remains.

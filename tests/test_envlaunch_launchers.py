@@ -222,6 +222,78 @@ def squeue_has(env, job):
     return result.returncode == 0 and job in result.stdout.split()
 
 
+# -- one read per job: srun --bcast of a self-extracting bundle --------------------
+
+
+@pytest.fixture(scope="module")
+def run_file(tmp_path_factory):
+    """The small environment, packed self-extracting: what ``srun --bcast`` sends."""
+    from envtools import small_venv
+
+    path = tmp_path_factory.mktemp("bcast") / "env.run"
+    venv = small_venv(tmp_path_factory).prefix
+    command = ["pack", "--env", venv, "--self-extracting", "-o", path]
+    result = mpistage(command, clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+def left_by_bcast(dest):
+    """What a broadcast launch left in the nodes' /dev/shm: copies, claims, file."""
+    prefix = f"mpistage-env-{os.getuid()}-p"
+    found = {}
+    for node in NODES:
+        names = shm(node)
+        found[node] = sorted(n for n in names if n.startswith(prefix) or n == dest)
+    return found
+
+
+@pytest.mark.parametrize("ending", ["runs", "failing rank", "scancel"])
+def test_srun_bcast_reads_the_bundle_once_per_job(
+    slurm, run_file, app, tmp_path, ending
+):
+    """``srun --bcast=/dev/shm/F run_file -- python app.py``: srun opens the
+    file once for the whole job, each node runs its ranks from its own copy,
+    and once the step has ended nothing of it is left on the nodes."""
+    dest = f"mpistage-bcast-{os.getpid()}.run"
+    (out,) = outs(tmp_path, "out")
+    env = dict(slurm, FAIL_RANK="1") if ending == "failing rank" else dict(slurm)
+    if ending == "scancel":
+        env["SLEEP"] = "120"
+    log = tmp_path / "srun.strace"
+    srun = ["srun", "-N", "2", "-n", "4", f"--bcast=/dev/shm/{dest}", run_file]
+    traced = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", log, *srun]
+    proc = start(["salloc", "-N", "2", "--quiet", *traced, "--", "python", app, out],
+                 env=env)  # fmt: skip
+    try:
+        wait_for(lambda: len(list(out.glob("*.json"))) == 4, 120, "all four ranks")
+        found = results_of(out, 4)
+        assert [r["node"] for r in found] == ["n1", "n1", "n2", "n2"], found
+        assert all(r["sum"] == r["size"] == 4 for r in found), found
+        for node in (found[:2], found[2:]):  # a copy of each node's own launch
+            folder = Path(node[0]["executable"]).parent.parent
+            assert folder.parent == Path("/dev/shm"), folder
+            for info in node:
+                assert info["executable"] == f"{folder}/bin/python", info
+                assert info["exe_dev"] == info["shm_dev"], info
+        if ending == "scancel":
+            job = run(["squeue", "-h", "-o", "%i"], env=slurm).stdout.split()
+            run(["scancel", *job], env=slurm)
+        status, _, err = finish(proc, timeout=120)
+        assert (status == 0) == (ending == "runs"), err
+        opened = [ln for ln in log.read_text().splitlines() if str(run_file) in ln]
+        opens = [ln for ln in opened if "open" in ln and "execve" not in ln]
+        assert len(opens) == 1, opened  # srun's read, for every node
+        wait_for(lambda: left_by_bcast(dest) == {n: [] for n in NODES}, 30,
+                 "nothing of the step on the nodes")  # fmt: skip
+    finally:
+        finish(proc, timeout=30)
+        for node in NODES:
+            on_node(
+                node, "sh", "-c", f"rm -rf /dev/shm/{dest} /dev/shm/mpistage-env-*-p*"
+            )
+
+
 # -- Open MPI -----------------------------------------------------------------------
 
 

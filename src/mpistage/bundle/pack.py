@@ -39,6 +39,7 @@ def pack(
     tests=False,
     env=None,
     exclude_lib=(),
+    self_extracting=False,
 ):
     """Write a bundle to *output*; return its manifest.
 
@@ -47,14 +48,16 @@ def pack(
     member's path below its root (a matching directory is left out whole).
     *stdlib* adds the standard library; *tests* keeps test directories.
     *env* packs the whole environment at that prefix instead (for
-    ``mpistage stage``), leaving out the libraries matching *exclude_lib*.
+    ``mpistage stage``), leaving out the libraries matching *exclude_lib*;
+    *self_extracting* makes that an executable for a launcher's broadcast
+    (:mod:`mpistage.bundle.selfextract`).
     """
+    if self_extracting and env is None:
+        raise StageError("--self-extracting is for a whole environment: add --env")
     if env is not None:
         if names or paths or stdlib:
             raise StageError("--env packs a whole environment: give no names or --path")
-        from mpistage.bundle.envpack import pack_env
-
-        return pack_env(output, env, exclude, exclude_lib)
+        return pack_env_to(output, env, exclude, exclude_lib, self_extracting)
     if not names and not paths and not stdlib:
         raise StageError("nothing to pack: name a package or give --path DIR")
     from mpistage.bundle.writer import Selection, write
@@ -69,6 +72,24 @@ def pack(
     add_listings(selection)
     fields = {"created_by": "pack", "packages": sorted(names)}
     return write(output, selection, fields)
+
+
+def pack_env_to(output, env, exclude, exclude_lib, self_extracting):
+    """Pack the environment at *env* to *output*, self-extracting or not."""
+    from mpistage.bundle.envpack import pack_env
+
+    if not self_extracting:
+        return pack_env(output, env, exclude, exclude_lib)
+    from mpistage.bundle.selfextract import attach
+
+    plain = f"{output}.tmp.mpistage"
+    try:
+        manifest = pack_env(plain, env, exclude, exclude_lib)
+        attach(plain, output)
+    finally:
+        if _os.path.exists(plain):
+            _os.unlink(plain)
+    return manifest
 
 
 def add_package(selection, name):

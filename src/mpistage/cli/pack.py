@@ -60,6 +60,12 @@ def parser():
         "conda env, or a prefix; default: this Python's) for `mpistage stage`",
     )
     p.add_argument(
+        "--self-extracting",
+        action="store_true",
+        help="with --env: write an executable that a launcher can broadcast "
+        "to every node (srun --bcast=/dev/shm/env.run env.run -- python app.py)",
+    )
+    p.add_argument(
         "--exclude-lib",
         action="append",
         default=[],
@@ -87,6 +93,7 @@ def main(argv):
             tests=args.tests,
             env=args.env,
             exclude_lib=args.exclude_lib,
+            self_extracting=args.self_extracting,
         )
     print(f"wrote {args.output}")
     print(render(manifest))

@@ -30,9 +30,13 @@ FAILED, LAUNCH, LIBRARIES = "failed", "launch", "libraries"  # files in DIR.in
 # moves DIR into its claim (a directory of this user alone, where nobody
 # can plant a name to move it to), then removes the claim with it. Cut
 # short, it leaves a claim whose owner record the next launch judges.
+# With a fourth argument, also the launcher's copy of a self-extracting
+# bundle (srun --bcast), if it is still a file of this user.
 WATCHDOG = (
     'cd / && while kill -0 "$1" 2>/dev/null; do sleep 1; done; '
-    'mv -T -- "$2" "$3/removing" 2>/dev/null; rm -rf -- "$3"'
+    'mv -T -- "$2" "$3/removing" 2>/dev/null; rm -rf -- "$3"; '
+    'if [ -n "$4" ] && [ -f "$4" ] && [ ! -L "$4" ] && [ -O "$4" ]; then '
+    'rm -f -- "$4"; fi'
 )
 
 
@@ -40,12 +44,13 @@ def main(buf, argv):
     """Unpack *buf*, the bundle read once; return the exit status (0 or 1).
 
     *argv*: the bundle's path, ``DIR``, the claim ``DIR.in``, the node's
-    name for messages, and the launch's owner ``host:pid`` outside a job
-    (else empty).
+    name for messages, the launch's owner ``host:pid`` outside a job (else
+    empty), and the launcher's copy of a self-extracting bundle that goes
+    with the launch's copy (else empty).
     """
-    bundle, folder, claim, node, owner = argv
+    bundle, folder, claim, node, owner, spread = argv
     try:
-        extract_here(buf, bundle, folder, claim, owner)
+        extract_here(buf, bundle, folder, claim, owner, spread)
     except (StageError, OSError, MemoryError) as exc:
         from mpistage.runtime.collective import describe
 
@@ -53,7 +58,7 @@ def main(buf, argv):
     return 0
 
 
-def extract_here(buf, bundle, folder, claim, owner):
+def extract_here(buf, bundle, folder, claim, owner, spread=""):
     """Check the bundle in *buf* and unpack it into *folder*; guard it."""
     from mpistage.runtime.extract import Footprint, extract
     from mpistage.runtime.read import check_kind, verify
@@ -61,7 +66,7 @@ def extract_here(buf, bundle, folder, claim, owner):
 
     if owner:
         _os.environ["MPISTAGE_RUN_OWNER"] = owner  # the stage marker's owner
-        watch(owner, folder, claim)
+        watch(owner, folder, claim, spread)
     mark_claim(claim, buf)
     manifest = checked_manifest(buf, bundle, check_kind, verify)
     place = TargetPlace(folder)
@@ -143,7 +148,7 @@ def write_file(claim, name, text):
         _os.close(fd)
 
 
-def watch(owner, folder, claim):
+def watch(owner, folder, claim, spread=""):
     """Start the watchdog that removes the copy once the launch here ended.
 
     In a session of its own, with none of the rank's descriptors: the
@@ -151,9 +156,9 @@ def watch(owner, folder, claim):
     """
     import subprocess
 
-    pid = owner.rpartition(":")[2]
+    args = [owner.rpartition(":")[2], folder, claim, spread]
     subprocess.Popen(
-        ["/bin/sh", "-c", WATCHDOG, "mpistage-env-watchdog", pid, folder, claim],
+        ["/bin/sh", "-c", WATCHDOG, "mpistage-env-watchdog", *args],
         env={"PATH": "/usr/bin:/bin"},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

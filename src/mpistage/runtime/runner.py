@@ -137,6 +137,7 @@ class Runner:
         from mpistage.runtime.collective import attempt
         from mpistage.runtime.topology import discover
 
+        attempt(self.world, settings.check)  # every rank: its own environment
         attempt(self.world, self.check_target)
         begun = _time.perf_counter()
         topology = attempt(self.world, discover, self.world)

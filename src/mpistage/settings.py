@@ -288,16 +288,21 @@ def get(name, environ=None):
     return SETTINGS[name].get(environ)
 
 
-def check(environ=None):
+def check(ranks=None):
     """Read every setting once: the first refusal is raised, as one line.
 
     The runner and the stager call it on every rank before anything else,
     so that a bad value ends the job at start-up rather than where it is
     first read (inside the program's own import, or in the node boot, which
-    turns itself off on any doubt).
+    turns itself off on any doubt). Given the job's number of *ranks*, the
+    emulated nodes are checked against it first: their refusal names it.
     """
+    if ranks is not None:
+        from mpistage.node.launch import emulated_nodes
+
+        emulated_nodes(ranks)
     for item in SETTINGS.values():
-        item.get(environ)
+        item.get()
 
 
 def help_lines(width=79):

@@ -386,7 +386,7 @@ def main(world, argv):
 
     try:
         bundle, template, print_env, token, trust = parse(argv)
-        attempt(world, settings.check)  # every rank: its own environment
+        attempt(world, settings.check, world.size)  # every rank: its own settings
         folder, manifest, reused = stage_env(world, bundle, template, token, trust)
     except StageError as exc:
         if world.rank == 0:

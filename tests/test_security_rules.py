@@ -751,6 +751,14 @@ MALFORMED = {
         {"edit": lambda m: m["roots"][0].update(identity=[7])},
         ["root 0 has a bad identity"],
     ),
+    "stdlib stamp without a name": (
+        {"edit": lambda m: m["roots"][0].update(stdlib=[1, 2])},
+        ["root 0 has a bad stdlib stamp"],
+    ),
+    "dists as a list": (
+        {"edit": lambda m: m["roots"][0].update(dists=["x"])},
+        ["root 0 has a bad dists"],
+    ),
 }
 
 
@@ -786,12 +794,16 @@ def test_a_malformed_manifest_is_one_line_in_inspect(tmp_path, stage_env, case):
     one_line(mpistage(["inspect", bundle], env=stage_env, timeout=QUICK), words)
 
 
+@pytest.mark.parametrize("trust", [(), ("--trust",)])
 @pytest.mark.parametrize("case", MALFORMED)
 def test_a_malformed_manifest_ends_the_runner_on_every_rank(
-    tmp_path, stage_env, stage_dir, site, case
+    tmp_path, stage_env, stage_dir, site, case, trust
 ):
+    """With or without ``--trust``: the staleness check reads the roots too."""
     bundle, words = malformed(tmp_path, case)
-    result, status = run_code(bundle, stage_env, "print('ran')", site=site)
+    (site / "m.py").write_text("x")
+    code = "print('ran')"
+    result, status = run_code(bundle, stage_env, code, site=site, extra=trust)
     refused(result, status, words=["is malformed", *words])
     assert "Traceback" not in result.stderr, result
     assert job_dirs(stage_dir) == []

@@ -739,10 +739,7 @@ MALFORMED = {
     "huge mode": ({"edit": set_member(mode=2**70)}, ["member 0 has a bad mode"]),
     "huge mtime": ({"edit": set_member(mtime_ns=2**70)}, ["bad mtime_ns"]),
     "no members key": ({"edit": drop("members")}, ["manifest has no members list"]),
-    "no sha256": (
-        {"edit": lambda m: m["members"][0].pop("sha256")},
-        ["member 0 has no sha256"],
-    ),
+    "sha256 a number": ({"edit": set_member(sha256=5)}, ["member 0 has a bad sha256"]),
     "packages not a list": (
         {"edit": lambda m: m.update(packages=5)},
         ["manifest has a bad packages list"],

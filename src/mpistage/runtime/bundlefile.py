@@ -303,7 +303,7 @@ def check_member(member, roots, data_end):
     if kind == "file":
         offset, size = member.get("offset"), member.get("size")
         expect(whole(offset) and whole(size), "has no offset")
-        expect(isinstance(member.get("sha256"), str), "has no sha256")
+        expect(isinstance(member.get("sha256", ""), str), "has a bad sha256")
         expect(HEADER_SIZE <= offset and 0 <= size, "has a bad offset")
         expect(offset + size <= data_end, "has data outside the data section")
 

@@ -11,6 +11,9 @@ a hang is a failure. The classes:
   the job goes on; what the node's copy still lacks after a rank asked for
   it (a file the user cannot read, a copy that is full) is imported as
   plain python imports it, with the same error where plain python fails;
+- through a link to a file the user cannot read, or a link that loops,
+  live imports (``pkgutil.get_data``, ``importlib.resources``) raise the
+  exception plain python raises, with its message;
 - listings know what an entry is: a FIFO, a socket or a dangling link is
   neither a file nor a module;
 - in a forked child, live finders step aside as plain python's would.
@@ -264,6 +267,55 @@ def test_a_file_the_user_cannot_read_fails_as_with_plain_python(tmp_path, stage_
     expected, got = plain_then_live(tmp_path, env, target, as_a_user())
     denied = ["PermissionError", 13]
     assert expected == {"locked": denied, "lockedpkg": denied, "readable": "readable"}
+    assert got == [expected] * 4
+    assert job_dirs(tmp_path / "stage") == []
+
+
+LINKED = """
+import importlib, importlib.resources, pkgutil
+got = {}
+def attempt(key, step):
+    try:
+        got[key] = step()
+    except Exception as exc:
+        got[key] = [type(exc).__name__, getattr(exc, "errno", None), str(exc)]
+for name in ("tolocked", "looped", "lockedpkg"):
+    attempt(name, lambda: importlib.import_module(name).VALUE)
+import datapkg
+for name in ("tolocked.txt", "looped.txt", "locked.txt", "plain.txt"):
+    data = importlib.resources.files("datapkg").joinpath(name)
+    attempt("read_text " + name, lambda: data.read_text())
+    attempt("is_file " + name, lambda: data.is_file())
+    attempt("get_data " + name, lambda: pkgutil.get_data("datapkg", name).decode())
+emit(got)
+"""
+
+
+def test_links_to_what_cannot_be_read_fail_as_with_plain_python(tmp_path, stage_env):
+    """Through a link to a file the user cannot read, or a link that loops,
+    live imports raise plain python's exception, with its message."""
+    site = tmp_path / "site"
+    (site / "datapkg").mkdir(parents=True)
+    (site / "lockedpkg").mkdir()
+    (site / "locked.py").write_text("VALUE = 'locked'\n")
+    (site / "tolocked.py").symlink_to("locked.py")
+    (site / "looped.py").symlink_to("looped.py")
+    (site / "lockedpkg" / "__init__.py").symlink_to("../locked.py")
+    data = site / "datapkg"
+    (data / "__init__.py").write_text("")
+    (data / "locked.txt").write_text("secret")
+    (data / "tolocked.txt").symlink_to("locked.txt")
+    (data / "looped.txt").symlink_to("looped.txt")
+    (data / "plain.txt").write_text("plain")
+    for path in (site / "locked.py", data / "locked.txt"):
+        path.chmod(0)
+    env = dict(stage_env, PYTHONPATH=str(site))
+    target = write_target(tmp_path / "linked.py", LINKED)
+    expected, got = plain_then_live(tmp_path, env, target, as_a_user())
+    assert expected["tolocked"][:2] == ["PermissionError", 13]
+    assert expected["read_text looped.txt"][:2] == ["OSError", 40]  # ELOOP
+    assert expected["get_data tolocked.txt"][:2] == ["PermissionError", 13]
+    assert expected["get_data plain.txt"] == "plain"
     assert got == [expected] * 4
     assert job_dirs(tmp_path / "stage") == []
 

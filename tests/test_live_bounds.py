@@ -139,5 +139,6 @@ def test_a_bad_wait_is_one_line(tmp_path, env):
     assert result.returncode == 1, result
     lines = [ln for ln in result.stderr.splitlines() if "mpistage: error" in ln]
     assert lines == [
-        "mpistage: error: MPISTAGE_LIVE_WAIT='soon' must be a number of seconds"
+        "mpistage: error: MPISTAGE_LIVE_WAIT='soon' must be a number of seconds "
+        "from 0 to 86400"
     ], result.stderr

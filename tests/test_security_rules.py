@@ -9,7 +9,10 @@
 7. only the process that made a session ends it (fork);
 8. a squatted staging directory falls back to a private one;
 9. terminal output escapes control characters;
-10. bad ``.npy`` headers are one clear error.
+10. bad ``.npy`` headers are one clear error;
+11. bad input to every command that reads a bundle is one line, never a
+    traceback or a hang (a malformed manifest, a sparse terabyte, an
+    ``env.watch`` that names no directory).
 
 Bundles are crafted byte by byte from the documented format (crafttools).
 """
@@ -699,3 +702,179 @@ def test_raw_items_without_bytes_are_one_error_everywhere(
     found = results(env, 2)
     assert len(set(found)) == 1, found
     assert "no bytes" in found[0] and "\n" not in found[0], found
+
+
+# -- 11. bad input to every command that reads a bundle ----------------------------
+
+
+def member(**extra):
+    """One file member ``m.py``, with *extra* keys changed after crafting."""
+    return {"rel": "m.py", "type": "file", **extra}
+
+
+def set_member(**values):
+    """An edit that sets *values* in the first member's manifest entry."""
+    return lambda manifest: manifest["members"][0].update(values)
+
+
+def drop(key):
+    """An edit that removes *key* from the manifest."""
+    return lambda manifest: manifest.pop(key)
+
+
+# name: (craft keywords, words of the one line)
+MALFORMED = {
+    "not JSON": ({"raw": b"{members: ["}, ["is malformed: manifest:"]),
+    "not an object": ({"raw": b'["members"]'}, ["manifest is not an object"]),
+    "member of the wrong type": (
+        {"edit": lambda m: m["members"].append("m.py")},
+        ["member 1 is not an object"],
+    ),
+    "size as text": ({"edit": set_member(size="1")}, ["member 0 has no offset"]),
+    "negative offset": (
+        {"edit": set_member(offset=-64)},
+        ["member 0 has a bad offset"],
+    ),
+    "huge size": ({"edit": set_member(size=2**70)}, ["outside the data section"]),
+    "huge mode": ({"edit": set_member(mode=2**70)}, ["member 0 has a bad mode"]),
+    "huge mtime": ({"edit": set_member(mtime_ns=2**70)}, ["bad mtime_ns"]),
+    "no members key": ({"edit": drop("members")}, ["manifest has no members list"]),
+    "sha256 a number": ({"edit": set_member(sha256=5)}, ["member 0 has a bad sha256"]),
+    "packages not a list": (
+        {"edit": lambda m: m.update(packages=5)},
+        ["manifest has a bad packages list"],
+    ),
+    "root identity of one number": (
+        {"edit": lambda m: m["roots"][0].update(identity=[7])},
+        ["root 0 has a bad identity"],
+    ),
+    "stdlib stamp without a name": (
+        {"edit": lambda m: m["roots"][0].update(stdlib=[1, 2])},
+        ["root 0 has a bad stdlib stamp"],
+    ),
+    "dists as a list": (
+        {"edit": lambda m: m["roots"][0].update(dists=["x"])},
+        ["root 0 has a bad dists"],
+    ),
+}
+
+
+def malformed(tmp_path, case, kind="packages"):
+    """Craft the bundle of the *case* of :data:`MALFORMED`; return (path, words)."""
+    keywords, words = MALFORMED[case]
+    roots = None
+    if kind == "env":
+        roots = [{"path": str(tmp_path / "site"), "listing": [], "dest": "lib"}]
+    path = craft(tmp_path / "bad.mpistage", [member()], roots, kind, **keywords)
+    return path, words
+
+
+def one_line(done, words=()):
+    """A tool's refusal: status 1, one error line with *words*, no traceback."""
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr, done
+    assert len(done.errors()) == 1, done
+    for word in words:
+        assert word in done.errors()[0], done
+
+
+def run_env(bundle, env, tmp_path):
+    """``mpistage run --env BUNDLE -- mpiexec -n 2 python -c pass``."""
+    line = [MPIEXEC, "-n", "2", PYTHON, "-c", "pass"]
+    args = ["run", "--env", bundle, "--to", tmp_path / "to{node}", "--", *line]
+    return mpistage(args, env=dict(env, MPISTAGE_EMULATE_NODES="2"), timeout=QUICK)
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_manifest_is_one_line_in_inspect(tmp_path, stage_env, case):
+    bundle, words = malformed(tmp_path, case)
+    one_line(mpistage(["inspect", bundle], env=stage_env, timeout=QUICK), words)
+
+
+@pytest.mark.parametrize("trust", [(), ("--trust",)])
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_manifest_ends_the_runner_on_every_rank(
+    tmp_path, stage_env, stage_dir, site, case, trust
+):
+    """With or without ``--trust``: the staleness check reads the roots too."""
+    bundle, words = malformed(tmp_path, case)
+    (site / "m.py").write_text("x")
+    code = "print('ran')"
+    result, status = run_code(bundle, stage_env, code, site=site, extra=trust)
+    refused(result, status, words=["is malformed", *words])
+    assert "Traceback" not in result.stderr, result
+    assert job_dirs(stage_dir) == []
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_manifest_is_one_line_in_stage_and_run(
+    tmp_path, stage_env, site, case
+):
+    bundle, words = malformed(tmp_path, case, kind="env")
+    result, status = stage_to(bundle, tmp_path / "env{node}", stage_env)
+    refused(result, status, words=words)
+    one_line(run_env(bundle, stage_env, tmp_path), words)
+
+
+@pytest.fixture
+def terabyte(tmp_path):
+    """A sparse file of 1 TiB named like a bundle (``truncate -s 1T``)."""
+    path = tmp_path / "big.mpistage"
+    with open(path, "wb") as f:
+        f.truncate(1 << 40)
+    return path
+
+
+def test_a_sparse_terabyte_is_one_line_for_every_command(
+    tmp_path, stage_env, stage_dir, terabyte
+):
+    words = ["is not an mpistage bundle"]
+    one_line(mpistage(["inspect", terabyte], env=stage_env, timeout=QUICK), words)
+    refused(*run_code(terabyte, stage_env, "pass"), words=words)
+    refused(*stage_to(terabyte, tmp_path / "env{node}", stage_env), words=words)
+    one_line(run_env(terabyte, stage_env, tmp_path), words)
+    assert job_dirs(stage_dir) == []
+
+
+def watching(path):
+    """An environment bundle's edit: ``env.watch`` names *path* (any value)."""
+    return lambda manifest: manifest.update(env={"watch": [path]})
+
+
+@pytest.fixture
+def not_dirs(tmp_path):
+    """A FIFO nobody writes to and a regular file, by kind."""
+    fifo, file = tmp_path / "fifo", tmp_path / "file"
+    os.mkfifo(fifo)
+    file.write_text("x")
+    return {"fifo": str(fifo), "file": str(file)}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_a_watched_path_that_is_no_directory_is_stale_never_a_hang(
+    tmp_path, stage_env, site, not_dirs, kind
+):
+    """Stale: the bundle watched a directory there; it was never opened."""
+    roots = [{"path": str(site), "listing": [], "dest": "lib"}]
+    entry = [not_dirs[kind], 1, "digest"]
+    bundle = craft(
+        tmp_path / "w.mpistage", [member()], roots, "env", edit=watching(entry)
+    )
+    result, status = stage_to(bundle, tmp_path / "env{node}", stage_env)
+    refused(result, status, words=["is stale", kind])
+    one_line(run_env(bundle, stage_env, tmp_path), ["is stale", kind])
+
+
+@pytest.mark.parametrize(
+    "entry", ["/usr/lib", ["/usr/lib", 1], ["lib", 1, None], ["/usr/lib", "1", None], 7]
+)
+def test_a_malformed_watch_entry_is_one_line(tmp_path, stage_env, site, entry):
+    roots = [{"path": str(site), "listing": [], "dest": "lib"}]
+    bundle = craft(
+        tmp_path / "w.mpistage", [member()], roots, "env", edit=watching(entry)
+    )
+    words = ["is malformed: manifest has a bad env.watch entry"]
+    result, status = stage_to(bundle, tmp_path / "env{node}", stage_env)
+    refused(result, status, words=words)
+    one_line(mpistage(["inspect", bundle], env=stage_env, timeout=QUICK), words)
+    one_line(run_env(bundle, stage_env, tmp_path), words)

@@ -12,7 +12,7 @@ import pytest
 
 from mpistage import StageError, settings
 from mpistage.node.launch import emulated_nodes
-from stagetools import clean_environ, mpirun, mpistage
+from stagetools import clean_environ, mpirun, mpirun_status, mpistage
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"\bMPISTAGE_[A-Z_]*[A-Z]\b")
@@ -64,15 +64,17 @@ def test_help_lists_every_setting_users_set():
 
 def test_the_launch_script_reads_its_settings_with_the_listed_defaults():
     script = ROOT.joinpath("bin", "mpistage-env").read_text()
-    for name in ("MPISTAGE_ENV_WAIT", "MPISTAGE_NODE_PYTHON"):
-        default = settings.SETTINGS[name].default
-        assert f"${{{name}:-{default}}}" in script, name
+    default = settings.SETTINGS["MPISTAGE_NODE_PYTHON"].default
+    assert f"${{MPISTAGE_NODE_PYTHON:-{default}}}" in script
+    wait = settings.SETTINGS["MPISTAGE_ENV_WAIT"]
+    assert f"seconds MPISTAGE_ENV_WAIT {wait.default:g} {wait.parse.high}" in script
+    assert "boolean MPISTAGE_STAGE_FALLBACK yes" in script
 
 
 @pytest.mark.parametrize(
     ("name", "value", "words"),
     [
-        ("MPISTAGE_BOOT", "maybe", "must be one of yes/no"),
+        ("MPISTAGE_BOOT", "maybe", "must be one of yes, no, on, off, true, false"),
         ("MPISTAGE_LIVE_WAIT", "-1", "must be a number of seconds"),
         ("MPISTAGE_BOOT_WAIT", "nan", "must be a number of seconds"),
         ("MPISTAGE_EMULATE_NODES", "two", "must be a whole number"),
@@ -88,7 +90,9 @@ def test_a_bad_value_is_one_line_naming_the_variable(name, value, words):
 def test_unset_and_empty_give_the_default():
     for item in settings.SETTINGS.values():
         assert item.get({}) == item.default
-        assert item.get({item.name: "  "}) == item.default
+        assert item.get({item.name: ""}) == item.default
+        if not item.says():  # text and paths lose their outer spaces
+            assert item.get({item.name: "  "}) == item.default
     assert settings.get("MPISTAGE_STAGE_DIR", {"MPISTAGE_STAGE_DIR": "/a::/b"}) == [
         "/a",
         "/b",
@@ -98,7 +102,7 @@ def test_unset_and_empty_give_the_default():
 def test_emulated_nodes_are_read_one_way_everywhere(monkeypatch):
     from mpistage.cli.launchers import emulated
 
-    monkeypatch.setenv("MPISTAGE_EMULATE_NODES", " 2 ")
+    monkeypatch.setenv("MPISTAGE_EMULATE_NODES", "02")
     assert emulated() == 2 == emulated_nodes(4)
     monkeypatch.setenv("MPISTAGE_EMULATE_NODES", "2x")
     for read in (emulated, lambda: emulated_nodes(4)):
@@ -112,7 +116,98 @@ def test_a_bad_setting_ends_a_job_with_one_line(tmp_path):
     env = dict(clean_environ(), MPISTAGE_LIVE="perhaps")
     done = mpirun("2", ["-m", "mpistage", "-c", "print('ran')"], env=env, cwd=tmp_path)
     assert done.returncode != 0
-    assert "ran" not in done.stdout
+    assert "ran" not in done.stdout.splitlines()
     assert done.errors() == [
-        "mpistage: error: MPISTAGE_LIVE='perhaps' must be one of yes/no/on/off/1/0"
+        "mpistage: error: MPISTAGE_LIVE='perhaps' must be one of yes, no, on, off, "
+        "true, false, 1, 0"
     ]
+
+
+# -- the one rule, shared with bin/mpistage-env ----------------------------------
+
+WAITS = ("MPISTAGE_BOOT_WAIT", "MPISTAGE_LIVE_WAIT", "MPISTAGE_ENV_WAIT")
+BOOLEANS = ("MPISTAGE_BOOT", "MPISTAGE_LIVE", "MPISTAGE_STAGE_FALLBACK")
+
+
+@pytest.mark.parametrize("name", WAITS)
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("0", 0.0), ("010", 10.0), ("1.5", 1.5), ("00.25", 0.25), ("86400", 86400.0)],
+)
+def test_seconds_are_digits_with_an_optional_fraction(name, value, seconds):
+    assert settings.get(name, {name: value}) == seconds
+
+
+@pytest.mark.parametrize("name", WAITS)
+@pytest.mark.parametrize(
+    "value",
+    ["inf", "Infinity", "nan", "1e10", "1E3", "+5", "-1", " 5", "5 ", "1_000", "0x10",
+     ".5", "5.", "1.2.3", "86400.5", "86401", "9" * 5000, "\u0665", "5s"],
+)  # fmt: skip
+def test_seconds_refuse_anything_else_with_their_range(name, value):
+    with pytest.raises(StageError) as raised:
+        settings.get(name, {name: value})
+    assert str(raised.value) == (
+        f"{name}={value!r} must be a number of seconds from 0 to 86400"
+    )
+
+
+@pytest.mark.parametrize("name", BOOLEANS)
+def test_booleans_are_the_six_words_and_two_digits_in_any_case(name):
+    for yes in ("yes", "YES", "On", "true", "TRUE", "1"):
+        assert settings.get(name, {name: yes}) is True
+    for no in ("no", "No", "OFF", "false", "False", "0"):
+        assert settings.get(name, {name: no}) is False
+    for bad in ("y", "2", "enabled", " yes", "truee", "00"):
+        with pytest.raises(StageError, match="must be one of yes, no, on, off"):
+            settings.get(name, {name: bad})
+
+
+def test_a_whole_number_is_digits_with_leading_zeros_meaning_nothing():
+    name = "MPISTAGE_EMULATE_NODES"
+    assert settings.get(name, {name: "010"}) == 10
+    assert settings.get(name, {name: "4096"}) == 4096
+    for bad in ("0", "4097", "+2", "2.0", "1_0", " 2", "\u0662", "9" * 5000):
+        with pytest.raises(StageError) as raised:
+            settings.get(name, {name: bad})
+        assert (
+            str(raised.value) == f"{name}={bad!r} must be a whole number from 1 to 4096"
+        )
+
+
+def test_the_usage_table_gives_each_settings_range():
+    usage = ROOT.joinpath("docs", "usage.md").read_text()
+    for name in (*WAITS, *BOOLEANS, "MPISTAGE_EMULATE_NODES"):
+        row = next(r for r in settings.markdown_rows() if f"`{name}=" in r)
+        assert settings.SETTINGS[name].says() in row
+        assert row in usage
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("MPISTAGE_LIVE_WAIT", "inf", "a number of seconds from 0 to 86400"),
+        ("MPISTAGE_LIVE_WAIT", "1e10", "a number of seconds from 0 to 86400"),
+        ("MPISTAGE_BOOT", "sometimes", "one of yes, no, on, off, true, false, 1, 0"),
+        ("MPISTAGE_BOOT_WAIT", "soon", "a number of seconds from 0 to 86400"),
+    ],
+)
+@pytest.mark.parametrize("command", [["-c", "import json; print('ran')"], ["stage"]])
+def test_a_bad_value_read_late_ends_the_job_at_start_with_one_line(
+    tmp_path, name, value, says, command
+):
+    """Read in the node boot or by live imports: refused before anything runs."""
+    if command == ["stage"]:
+        command = [
+            "stage",
+            str(tmp_path / "none.mpistage"),
+            "--to",
+            str(tmp_path / "d"),
+        ]
+    env = dict(clean_environ(), MPISTAGE_EMULATE_NODES="2", **{name: value})
+    done, status = mpirun_status("2", ["-m", "mpistage", *command], env, tmp_path)
+    assert done.returncode == 1, done
+    assert status == {0: 1, 1: 1}, done
+    assert "ran" not in done.stdout.splitlines()
+    assert "Traceback" not in done.stderr, done
+    assert done.errors() == [f"mpistage: error: {name}={value!r} must be {says}"]

@@ -23,36 +23,97 @@ from mpistage import StageError
 
 _TRUE = ("1", "yes", "on", "true")
 _FALSE = ("0", "no", "off", "false")
+_DIGITS = frozenset("0123456789")
+WAIT_MAX = 86400  # seconds: no wait of mpistage's is longer than a day
 
 
-def yes_no(name, value):
-    """``yes``/``no`` (also on/off, true/false, 1/0)."""
-    value = value.lower()
-    if value in _TRUE or value in _FALSE:
-        return value in _TRUE
-    raise StageError(f"{name}={value!r} must be one of yes/no/on/off/1/0")
+def _digits(value):
+    """Whether *value* is ASCII decimal digits only (no sign, space or ``_``)."""
+    return bool(value) and _DIGITS.issuperset(value)
 
 
-def seconds(name, value):
-    """A number of seconds, zero or more."""
-    try:
+def _whole(value, high):
+    """*value* (digits) as an int, or ``None`` when it is above *high*.
+
+    Leading zeros mean nothing (``010`` is ten); a long string of digits is
+    refused by its length before ``int`` could be asked to read it.
+    """
+    value = value.lstrip("0") or "0"
+    return None if len(value) > len(str(high)) or int(value) > high else int(value)
+
+
+class Kind:
+    """How one kind of value is read: :meth:`parse`, and :attr:`says` what it takes.
+
+    The one rule for every ``MPISTAGE_*`` value, shared with the shell
+    script ``bin/mpistage-env``: unset or empty means the default, anything
+    else must be exactly what :attr:`says` allows, or it is refused with
+    one line (``NAME='VALUE' must be ...``), never replaced by a default.
+    """
+
+    says = ""
+
+    def __call__(self, name, value):
+        """The value of *name* set to *value*, or one line that refuses it."""
+        found = self.parse(value)
+        if found is None:
+            raise StageError(f"{name}={value!r} must be {self.says}")
+        return found
+
+    def parse(self, value):
+        """The value *value* stands for, or ``None`` when it is refused."""
+        raise NotImplementedError
+
+
+class YesNo(Kind):
+    """A boolean: yes/no, on/off, true/false, 1/0, in any case."""
+
+    says = "one of yes, no, on, off, true, false, 1, 0"
+
+    def parse(self, value):
+        """``True``, ``False`` or ``None``."""
+        value = value.lower()
+        return value in _TRUE if value in _TRUE + _FALSE else None
+
+
+class Whole(Kind):
+    """A whole number from *low* to *high*: decimal digits only."""
+
+    def __init__(self, low, high):
+        self.low, self.high = low, high
+        self.says = f"a whole number from {low} to {high}"
+
+    def parse(self, value):
+        """An int in range, or ``None``."""
+        found = _whole(value, self.high) if _digits(value) else None
+        return found if found is not None and found >= self.low else None
+
+
+class Seconds(Kind):
+    """Seconds from 0 to *high*: digits, an optional fraction (``1.5``).
+
+    No sign, no exponent, no ``inf`` or ``nan``: what ``float`` would also
+    take (``1e10``, ``inf``) could overflow a timeout far from here.
+    """
+
+    def __init__(self, high=WAIT_MAX):
+        self.high = high
+        self.says = f"a number of seconds from 0 to {high}"
+
+    def parse(self, value):
+        """A float in range, or ``None``."""
+        whole, dot, fraction = value.partition(".")
+        if not _digits(whole) or (dot and not _digits(fraction)):
+            return None
+        if _whole(whole, self.high) is None:
+            return None
         found = float(value)
-    except ValueError:
-        found = -1.0
-    if not found >= 0:  # also NaN
-        raise StageError(f"{name}={value!r} must be a number of seconds")
-    return found
+        return found if found <= self.high else None
 
 
-def count(name, value):
-    """A whole number, one or more."""
-    try:
-        found = int(value)
-    except ValueError:
-        found = 0
-    if found < 1:
-        raise StageError(f"{name}={value!r} must be a whole number, 1 or more")
-    return found
+yes_no = YesNo()
+seconds = Seconds()
+EMULATED_MAX = 4096  # emulated nodes: one machine's ranks, at most
 
 
 def text(name, value):
@@ -78,8 +139,17 @@ class Setting:
         return self.parse(self.name, found) if found else self.default
 
     def text(self, environ=None):
-        """The value as set (stripped), ``""`` when unset."""
-        return (_os.environ if environ is None else environ).get(self.name, "").strip()
+        """The value as set, ``""`` when unset; text and paths lose outer spaces.
+
+        A number or a boolean is taken exactly as written, as
+        ``bin/mpistage-env`` takes it: ``" 2"`` is refused, not read as 2.
+        """
+        found = (_os.environ if environ is None else environ).get(self.name, "")
+        return found if isinstance(self.parse, Kind) else found.strip()
+
+    def says(self):
+        """What the setting takes, as its refusal says (``""`` for text)."""
+        return getattr(self.parse, "says", "")
 
     def shown(self):
         """``NAME=VALUE`` as the docs write it (``NAME`` alone for a path)."""
@@ -122,10 +192,11 @@ SETTINGS = _settings(
     ),
     Setting(
         "MPISTAGE_EMULATE_NODES",
-        count,
+        Whole(1, EMULATED_MAX),
         None,
         "split the ranks into N emulated nodes (contiguous rank blocks), each "
-        "with its own staging root: for tests and benchmarks on one machine",
+        "with its own staging root: for tests and benchmarks on one machine "
+        "(at most the number of ranks)",
         "N",
     ),
     Setting(
@@ -160,10 +231,10 @@ SETTINGS = _settings(
     ),
     Setting(
         "MPISTAGE_ENV_WAIT",
-        count,
-        600,
+        seconds,
+        600.0,
         "`mpistage-env`: how long a node's other processes wait for the one "
-        "that unpacks the environment (whole seconds, default 600)",
+        "that unpacks the environment (default 600)",
         "SECONDS",
     ),
     Setting(
@@ -218,6 +289,23 @@ def get(name, environ=None):
     return SETTINGS[name].get(environ)
 
 
+def check(ranks=None):
+    """Read every setting once: the first refusal is raised, as one line.
+
+    The runner and the stager call it on every rank before anything else,
+    so that a bad value ends the job at start-up rather than where it is
+    first read (inside the program's own import, or in the node boot, which
+    turns itself off on any doubt). Given the job's number of *ranks*, the
+    emulated nodes are checked against it first: their refusal names it.
+    """
+    if ranks is not None:
+        from mpistage.node.launch import emulated_nodes
+
+        emulated_nodes(ranks)
+    for item in SETTINGS.values():
+        item.get()
+
+
 def help_lines(width=79):
     """The settings users set, ``NAME=VALUE  meaning`` each, wrapped (``--help``)."""
     import textwrap
@@ -234,5 +322,7 @@ def help_lines(width=79):
 def markdown_rows():
     """The settings users set, as docs/usage.md's table rows."""
     return [
-        f"| `{s.shown()}` | {s.meaning} |" for s in SETTINGS.values() if not s.internal
+        f"| `{s.shown()}` | {s.meaning}{'; ' + s.says() if s.says() else ''} |"
+        for s in SETTINGS.values()
+        if not s.internal
     ]

@@ -154,6 +154,8 @@ def check(manifest, data_end, name):
         for index, root in enumerate(roots):
             where = f"root {index}"
             check_root(root, kind)
+        where = "manifest"
+        check_env(manifest, kind)
         members = manifest.get("members")
         expect(isinstance(members, list), "has no members list")
         bases, end = [base_of(root, i) for i, root in enumerate(roots)], None
@@ -202,13 +204,64 @@ def check_root(root, kind):
             isinstance(dest, str) and (dest == "" or safe_rel(dest)), "has a bad dest"
         )
     check_listing(root.get("listing", []))
-    expect(whole_numbers(root.get("identity", [0])), "has a bad identity")
+    identity = root.get("identity", [0, 0])
+    expect(whole_numbers(identity) and len(identity) == 2, "has a bad identity")
+    stdlib = root.get("stdlib", ["os.py", 0, 0, 0])
+    expect(
+        isinstance(stdlib, list)
+        and len(stdlib) == 4
+        and stdlib[0] in ("os.py", ".")
+        and whole_numbers(stdlib[1:]),
+        "has a bad stdlib stamp",
+    )
+    entries = root.get("entries")
+    expect(entries is None or isinstance(entries, str), "has a bad entries digest")
+    dists = root.get("dists", {})
+    expect(isinstance(dists, dict), "has a bad dists")
+    for name, identity in dists.items():
+        good = safe_rel(name) and whole_numbers(identity) and len(identity) == 3
+        expect(good, f"has bad dists entry {name[:80]!r}")
     partial = root.get("partial", {})
     expect(isinstance(partial, dict), "has a bad partial")
     for rel, info in partial.items():
         expect(safe_rel(rel) and isinstance(info, dict), f"has bad partial {rel!r}")
         expect(isinstance(info.get("mtime_ns"), int), f"has bad partial {rel!r}")
         check_listing(info.get("listing"))
+
+
+def check_env(manifest, kind):
+    """Check what a manifest says besides its roots and members.
+
+    An environment bundle's ``env.watch`` names the directories whose
+    change makes the bundle stale (:mod:`mpistage.runtime.envfresh`): each
+    an absolute path, an mtime and a digest (or ``None``). ``packages`` and
+    ``recorded`` are what ``mpistage inspect`` shows.
+    """
+    env = manifest.get("env", {})
+    expect(isinstance(env, dict), "has a bad env")
+    expect(not env or kind == "env", f"has an env, which a {kind} bundle may not have")
+    for key in ("libraries", "missing", "watch"):
+        expect(isinstance(env.get(key, []), list), f"has a bad env.{key}")
+    for entry in env.get("watch", []):
+        expect(
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and entry[0].startswith("/")
+            and "\0" not in entry[0]
+            and whole(entry[1])
+            and (entry[2] is None or isinstance(entry[2], str)),
+            f"has a bad env.watch entry {str(entry)[:80]!r}",
+        )
+    expect(isinstance(manifest.get("packages", []), list), "has a bad packages list")
+    recorded = manifest.get("recorded", {})
+    expect(isinstance(recorded, dict), "has a bad recorded")
+    expect(isinstance(recorded.get("command", []), list), "has a bad recorded.command")
+
+
+def whole(value):
+    """Whether *value* is an int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_listing(listing):
@@ -219,7 +272,7 @@ def check_listing(listing):
 
 def whole_numbers(value):
     """Whether *value* is a list of integers."""
-    return isinstance(value, list) and all(isinstance(v, int) for v in value)
+    return isinstance(value, list) and all(whole(v) for v in value)
 
 
 def base_of(root, index):
@@ -237,8 +290,11 @@ def check_member(member, roots, data_end):
     kind = member.get("type")
     expect(kind in MEMBER_TYPES, f"has unknown type {kind!r}")
     for key in ("mode", "mtime_ns"):
-        expect(isinstance(member.get(key), int), f"has no whole-number {key}")
-    expect(isinstance(member.get("ino", 0), int), "has a bad ino")
+        expect(whole(member.get(key)), f"has no whole-number {key}")
+    expect(0 <= member["mode"] < 1 << 32, "has a bad mode")
+    expect(-(1 << 63) <= member["mtime_ns"] < 1 << 63, "has a bad mtime_ns")
+    ino = member.get("ino", 0)
+    expect(whole(ino) and 0 <= ino < 1 << 64, "has a bad ino")
     if kind == "link":
         target = member.get("target")
         expect(
@@ -246,7 +302,8 @@ def check_member(member, roots, data_end):
         )
     if kind == "file":
         offset, size = member.get("offset"), member.get("size")
-        expect(isinstance(offset, int) and isinstance(size, int), "has no offset")
+        expect(whole(offset) and whole(size), "has no offset")
+        expect(isinstance(member.get("sha256", ""), str), "has a bad sha256")
         expect(HEADER_SIZE <= offset and 0 <= size, "has a bad offset")
         expect(offset + size <= data_end, "has data outside the data section")
 

@@ -16,6 +16,7 @@ check have no ``env.watch`` and are never called stale.
 
 import glob as _glob
 import os as _os
+from stat import S_ISDIR
 
 LIMIT = 3  # changed directories named in the message, at most
 
@@ -53,15 +54,23 @@ def changed(manifest, limit=LIMIT):
     found = []
     for path, mtime_ns, digest in manifest.get("env", {}).get("watch", []):
         try:
-            st = _os.stat(path)
+            st = _os.lstat(path)  # watched paths are real paths: no link to follow
         except OSError:
             found.append(path)  # gone
             continue
-        if dir_changed(st, mtime_ns, digest, lambda p=path: _os.open(p, _os.O_RDONLY)):
-            found.append(path)
+        if not S_ISDIR(st.st_mode) or dir_changed(
+            st, mtime_ns, digest, lambda p=path: open_dir(p)
+        ):
+            found.append(path)  # no longer a directory, or one that changed
         if len(found) >= limit:
             break
     return found
+
+
+def open_dir(path):
+    """Open the directory *path*: never a FIFO, a device or a link put there since."""
+    flags = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_NOFOLLOW | _os.O_NONBLOCK
+    return _os.open(path, flags | _os.O_CLOEXEC)
 
 
 def verdict(bundle, manifest):

@@ -38,12 +38,29 @@ def open_regular(path, what="bundle"):
 def read_bundle(path, fd=None):
     """Return the whole bundle at *path* (or open as *fd*) as a bytearray (rank 0)."""
     if fd is not None:
-        return read_all(fd, _os.fstat(fd).st_size, path)
+        return read_sized(fd, path)
     fd = open_regular(path)
     try:
-        return read_all(fd, _os.fstat(fd).st_size, path)
+        return read_sized(fd, path)
     finally:
         _os.close(fd)
+
+
+def read_sized(fd, path):
+    """Check the header first, then read the whole bundle.
+
+    A file that is no bundle (a sparse terabyte of zeros, say) is refused
+    by its first 64 bytes, before a buffer of its size is asked for.
+    """
+    from mpistage.runtime.bundlefile import HEADER_SIZE, parse_header
+
+    size = _os.fstat(fd).st_size
+    try:
+        head = _os.pread(fd, HEADER_SIZE, 0)
+    except OSError as exc:
+        raise StageError(f"cannot read bundle {path!r}: {exc.strerror}") from None
+    parse_header(head, size, path)
+    return read_all(fd, size, path)
 
 
 def read_all(fd, size, path):

@@ -137,6 +137,8 @@ class Runner:
         from mpistage.runtime.collective import attempt
         from mpistage.runtime.topology import discover
 
+        # Every rank reads its own environment: a bad value ends the job here.
+        attempt(self.world, settings.check, self.world.size)
         attempt(self.world, self.check_target)
         begun = _time.perf_counter()
         topology = attempt(self.world, discover, self.world)

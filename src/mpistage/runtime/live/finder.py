@@ -129,13 +129,21 @@ class LiveSourceLoader(_finders.CopyLoader):
         return self.live.copy(path)
 
     def get_data(self, path):
-        """Read *path* from the copy (the source is fetched when needed)."""
+        """Read *path* from the copy (fetched when needed), else from the original.
+
+        What the copy cannot hold (a file the user cannot read, a link that
+        loops) is read from the original, so that ``pkgutil.get_data`` and
+        the source meet plain python's error, with the original's path.
+        Bytecode the copy lacks is only missing: the source is compiled.
+        """
         try:
             return super().get_data(path)
         except FileNotFoundError:
-            if path != self.path or not self.live.fetch(path):
+            if path.endswith(tuple(_finders._BYTECODE_SUFFIXES)):
                 raise
-        return super().get_data(path)
+        if self.live.fetch(path):
+            return super().get_data(path)
+        return _finders._SourceFileLoader.get_data(self, path)
 
     def path_stats(self, path):
         """The source's stamp: the valid bytecode's, else the copied source's."""
@@ -230,8 +238,11 @@ def make_live_path():
             live = self.served()
             if live is not None and set(mode) <= set("rbt"):
                 kind = self.entry()
-                if kind in ("absent", "dangling"):
+                if kind == "absent":
                     raise FileNotFoundError(2, "No such file or directory", str(self))
+                # A link that leads nowhere (dangling, a loop, through a
+                # directory the user cannot search) fails on the original, as
+                # plain python's open does: ENOENT, ELOOP or EACCES.
                 copy = live.fetch(str(self)) if kind == "file" else None
                 if copy:
                     return open(copy, mode, buffering, encoding, errors, newline)

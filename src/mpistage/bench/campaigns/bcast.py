@@ -119,7 +119,8 @@ def inside(options):
         ours, theirs = measure(topo, size, options.repeats)
         if topo.world.rank == 0:
             rates = f"{size / ours / 1e9:5.2f}/{size / theirs / 1e9:5.2f}"
-            print(f"{size:>12} {ours:>10.3f} {theirs:>9.3f} {rates} {theirs / ours:.2f}")
+            times = f"{ours:>10.3f} {theirs:>9.3f}"
+            print(f"{size:>12} {times} {rates} {theirs / ours:.2f}")
 
 
 def main(argv=None):

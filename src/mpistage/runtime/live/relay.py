@@ -13,6 +13,11 @@ Each node leader runs one thread (world rank 0's also holds the reader):
 - a key is answered once the push named in its acknowledgement has been
   written here, so an answer never overtakes the bytes it stands for.
 
+Every message goes in pieces of at most
+:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes (:func:`~mpistage.runtime.bulk.post`),
+so a push of a module with its libraries, gigabytes for a GPU stack, is
+taken by an MPI without large counts; a leader passes a push on as it came.
+
 The thread polls its communicator with growing sleeps (20 µs to 2 ms)
 instead of blocking inside MPI, so that an idle leader leaves the CPU to
 the program, and it wakes at once when a thread of its own process asks.
@@ -48,6 +53,7 @@ NEEDS = (  # imported before the thread starts (see above)
     "time",
     "mpistage.runtime.finders",
     "mpistage.node.elf",
+    "mpistage.runtime.bulk",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
     "mpistage.runtime.live.mirror",
@@ -200,11 +206,11 @@ class Relay:
         return True
 
     def send(self, blob, dest, tag, comm=None):
-        """Send *blob* without waiting; it is kept until the send completes."""
-        from mpi4py import MPI
+        """Send *blob* in pieces without waiting; it is kept until they complete."""
+        from mpistage.runtime.bulk import post
 
         comm = comm or self.serve
-        self.sends.append((comm.Isend([blob, MPI.BYTE], dest, tag), blob))
+        self.sends.extend((piece, blob) for piece in post(comm, blob, dest, tag))
 
     def send_down(self, blob, tag):
         """Pass *blob* on to this leader's children in the tree."""

@@ -14,9 +14,17 @@ Python objects (a checked manifest, a verdict) go the same way
 so rank 0 never fails inside a broadcast the others are already in.
 """
 
-from mpistage.runtime.bulk import PIECE_SIZE as CHUNK_SIZE  # noqa: F401  (read only)
 
-# CHUNK_SIZE is what the model reads; set bulk.PIECE_SIZE to change pieces.
+def __getattr__(name):
+    """``CHUNK_SIZE``: the older name of :data:`~mpistage.runtime.bulk.PIECE_SIZE`.
+
+    Read only, for the benchmark's model; the size has one home, in bulk.
+    """
+    if name == "CHUNK_SIZE":
+        from mpistage.runtime.bulk import PIECE_SIZE
+
+        return PIECE_SIZE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def share_size(comm, size, root=0):

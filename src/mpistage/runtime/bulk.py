@@ -21,7 +21,8 @@ a live push with a module's libraries) travels here, never as one message:
   follows, the last is shorter (empty, if need be). A message that fits in
   one piece is one message, as before. All pieces are posted at once, so a
   receiver that has the first one never waits on the sender's thread for
-  the rest, only on the MPI.
+  the rest, only on the MPI; it matches them all before it receives any,
+  so that the bytes land in one buffer of the whole size, copied once.
 
 Control messages (sizes, verdicts, requests) stay with
 :mod:`~mpistage.runtime.collective`: small, and worth no spinning.
@@ -80,13 +81,13 @@ def take(comm, message, status):
     from mpi4py import MPI
 
     step, source, tag = max(1, int(PIECE_SIZE)), status.source, status.tag
-    data = bytearray(status.Get_count(MPI.BYTE))
-    message.Recv([data, MPI.BYTE])
-    last = len(data)
-    while last == step:
-        message = comm.Mprobe(source, tag, status)
-        last, start = status.Get_count(MPI.BYTE), len(data)
-        data.extend(bytes(last))
-        with memoryview(data) as view:
-            message.Recv([view[start:], MPI.BYTE])
+    pieces = [(message, status.Get_count(MPI.BYTE))]
+    while pieces[-1][1] == step:  # match them all first: one buffer, no copy
+        pieces.append((comm.Mprobe(source, tag, status), status.Get_count(MPI.BYTE)))
+    data = bytearray(sum(count for _, count in pieces))
+    with memoryview(data) as view:
+        start = 0
+        for message, count in pieces:
+            message.Recv([view[start : start + count], MPI.BYTE])
+            start += count
     return data

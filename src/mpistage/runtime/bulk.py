@@ -16,13 +16,13 @@ a live push with a module's libraries) travels here, never as one message:
   spin has a bound, :data:`SPIN_FOR` seconds per piece; a piece still
   unfinished then (a slow peer) is waited for the sleeping way, so a rank
   takes the CPU from others only while bytes flow;
-- a point-to-point message (:func:`post`, :func:`take`) goes as pieces on
-  one tag: a piece of exactly :data:`PIECE_SIZE` bytes says that another
-  follows, the last is shorter (empty, if need be). A message that fits in
-  one piece is one message, as before. All pieces are posted at once, so a
-  receiver that has the first one never waits on the sender's thread for
-  the rest, only on the MPI; it matches them all before it receives any,
-  so that the bytes land in one buffer of the whole size, copied once.
+- a point-to-point message (:func:`post`, :func:`take`) shorter than a
+  piece is one message, as before. A longer one goes as pieces on one
+  tag, the first of exactly :data:`PIECE_SIZE` bytes: the whole size (8
+  bytes) and the first bytes, so that the receiver makes one buffer of
+  the whole size and receives each following piece in place, in order.
+  All pieces are posted at once, so a receiver that has the first one
+  never waits on the sender's thread for the rest, only on the MPI.
 
 Control messages (sizes, verdicts, requests) stay with
 :mod:`~mpistage.runtime.collective`: small, and worth no spinning.
@@ -30,6 +30,7 @@ Control messages (sizes, verdicts, requests) stay with
 
 PIECE_SIZE = 64 * 1024 * 1024  # bytes in one message at most
 SPIN_FOR = 1.0  # seconds one piece is polled without sleeping
+HEAD = 8  # bytes of the whole size, in front of a long message's first piece
 
 
 def spans(length):
@@ -67,9 +68,14 @@ def post(comm, blob, dest, tag):
     """
     from mpi4py import MPI
 
-    view, step = memoryview(blob).cast("B"), max(1, int(PIECE_SIZE))
-    starts = range(0, len(view) + 1, step)  # + 1: a full last piece needs a tail
-    return [comm.Isend([view[s : s + step], MPI.BYTE], dest, tag) for s in starts]
+    view, step = memoryview(blob).cast("B"), piece_size()
+    if len(view) < step:
+        return [comm.Isend([view, MPI.BYTE], dest, tag)]
+    head = len(view).to_bytes(HEAD, "little") + view[: step - HEAD]
+    sends = [comm.Isend([head, MPI.BYTE], dest, tag)]
+    for start in range(step - HEAD, len(view), step):
+        sends.append(comm.Isend([view[start : start + step], MPI.BYTE], dest, tag))
+    return sends
 
 
 def take(comm, message, status):
@@ -80,14 +86,20 @@ def take(comm, message, status):
     """
     from mpi4py import MPI
 
-    step, source, tag = max(1, int(PIECE_SIZE)), status.source, status.tag
-    pieces = [(message, status.Get_count(MPI.BYTE))]
-    while pieces[-1][1] == step:  # match them all first: one buffer, no copy
-        pieces.append((comm.Mprobe(source, tag, status), status.Get_count(MPI.BYTE)))
-    data = bytearray(sum(count for _, count in pieces))
+    step, count = piece_size(), status.Get_count(MPI.BYTE)
+    first = bytearray(count)
+    message.Recv([first, MPI.BYTE])
+    if count < step:
+        return first
+    data = bytearray(int.from_bytes(first[:HEAD], "little"))
+    data[: step - HEAD] = first[HEAD:]
     with memoryview(data) as view:
-        start = 0
-        for message, count in pieces:
-            message.Recv([view[start : start + count], MPI.BYTE])
-            start += count
+        for start in range(step - HEAD, len(data), step):
+            piece = view[start : start + step]
+            comm.Recv([piece, MPI.BYTE], status.source, status.tag)
     return data
+
+
+def piece_size():
+    """:data:`PIECE_SIZE`, and room for a first piece's header at least."""
+    return max(2 * HEAD, int(PIECE_SIZE))

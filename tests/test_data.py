@@ -36,7 +36,7 @@ PRELUDE = """
 import hashlib, json, os, sys, time
 from mpi4py import MPI
 import numpy as np
-import mpistage.runtime.broadcast as broadcast
+import mpistage.runtime.bulk as bulk
 import mpistage.runtime.read as read
 from mpistage import StageError, data
 comm = MPI.COMM_WORLD
@@ -170,13 +170,13 @@ def test_same_read_only_bytes_everywhere(tmp_path, stage_env, files, ranks, node
 
 
 CHUNKED = """
-broadcast.CHUNK_SIZE = read.READ_SIZE = int(sys.argv[2])
+bulk.PIECE_SIZE = read.READ_SIZE = int(sys.argv[2])
 spread = []
-real_chunks = broadcast.chunks
+real_bcast = bulk.bcast
 def counting(comm, view, root=0):
     spread.append(len(view))
-    return real_chunks(comm, view, root)
-broadcast.chunks = counting
+    return real_bcast(comm, view, root)
+bulk.bcast = counting
 out = {}
 for readers in (1, 2, 3):
     for io in ("posix", "mpiio"):

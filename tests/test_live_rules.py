@@ -24,6 +24,7 @@ from mpistage.runtime import finders
 from mpistage.runtime.live import relay
 
 THREAD_MODULES = (
+    "bulk",
     "live.relay",
     "live.reader",
     "live.mirror",
@@ -63,6 +64,7 @@ LOADED = {
 
 # Modules of the finders, the request path and the runner, used while serving.
 SERVING_MODULES = (
+    "bulk",
     "finders",
     "activate",
     "live",

@@ -184,8 +184,8 @@ emit({"rank": MPI.COMM_WORLD.rank, "file": tinypkg.__file__, "digests": digests}
 """,
     )
     driver = (
-        "import sys, mpistage.runtime.broadcast as b; "
-        f"b.CHUNK_SIZE = {chunk}; "
+        "import sys, mpistage.runtime.bulk as b; "
+        f"b.PIECE_SIZE = {chunk}; "
         "from mpistage.__main__ import main; main(sys.argv[1:])"
     )
     stage_env.update(PYTHONPATH=str(tiny["site"]), MPISTAGE_EMULATE_NODES="2")

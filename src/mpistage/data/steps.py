@@ -344,11 +344,11 @@ def read_mpiio(job, memory, lo, hi):
 
 def spread(job, memory):
     """Leaders: send each part from its reader's node to every other node."""
-    from mpistage.runtime.broadcast import chunks
+    from mpistage.runtime.bulk import bcast
 
     if not job.topo.is_leader or job.topo.count == 1:
         return
     base = job.layout.start
     for slot, (node, _) in enumerate(job.slots):
         lo, hi = job.part(slot)
-        chunks(job.topo.leaders, memory[lo - base : hi - base], root=node)
+        bcast(job.topo.leaders, memory[lo - base : hi - base], root=node)

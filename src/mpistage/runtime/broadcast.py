@@ -1,18 +1,30 @@
 """Step 3: rank 0 sends the bundle bytes to every node leader.
 
-The bytes travel as raw ``MPI.BYTE`` buffers with ``Ibcast``, never pickled,
-in chunks of :data:`CHUNK_SIZE` bytes so that each message stays far below
-the 2 GiB count limit of many MPI libraries whatever the bundle's size.
-Tests set :data:`CHUNK_SIZE` to a few bytes to exercise the chunked path.
-The size goes first, as a 64-bit integer, so a receiver can refuse a size
-it has no memory for before anything else is sent.
+The bytes travel as raw ``MPI.BYTE`` buffers, never pickled, on the bulk
+path (:func:`mpistage.runtime.bulk.bcast`): pieces of
+:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes, far below the 2 GiB count
+limit of many MPI libraries whatever the bundle's size, each polled without
+sleeps so that they move at the MPI's own speed. The size goes first, as a
+64-bit integer, on the control path (it sleeps while it waits), so a
+receiver can refuse a size it has no memory for before anything else is
+sent, and a leader that waits for rank 0 to finish reading takes no CPU.
 
 Python objects (a checked manifest, a verdict) go the same way
 (:func:`share`): rank 0 pickles them first and every rank agrees on that,
 so rank 0 never fails inside a broadcast the others are already in.
 """
 
-CHUNK_SIZE = 64 * 1024 * 1024
+
+def __getattr__(name):
+    """``CHUNK_SIZE``: the older name of :data:`~mpistage.runtime.bulk.PIECE_SIZE`.
+
+    Read only, for the benchmark's model; the size has one home, in bulk.
+    """
+    if name == "CHUNK_SIZE":
+        from mpistage.runtime.bulk import PIECE_SIZE
+
+        return PIECE_SIZE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def share_size(comm, size, root=0):
@@ -25,17 +37,6 @@ def share_size(comm, size, root=0):
     buf[0] = size if comm.rank == root else 0
     wait(comm.Ibcast([buf, MPI.INT64_T], root=root))
     return buf[0]
-
-
-def chunks(comm, view, root=0):
-    """Broadcast the buffer *view* from *root* in :data:`CHUNK_SIZE` pieces."""
-    from mpi4py import MPI
-
-    from mpistage.runtime.collective import wait
-
-    step = max(1, int(CHUNK_SIZE))
-    for start in range(0, len(view), step):
-        wait(comm.Ibcast([view[start : start + step], MPI.BYTE], root=root))
 
 
 def share(comm, value):
@@ -62,7 +63,9 @@ def broadcast(leaders, buf, allocate=bytearray):
         buf = attempt(leaders, receive_buffer, allocate, size)
     else:
         attempt(leaders, lambda: None)
-    chunks(leaders, memoryview(buf).cast("B"))
+    from mpistage.runtime.bulk import bcast
+
+    bcast(leaders, buf)
     return buf
 
 

@@ -29,7 +29,8 @@ NODE_MODULES = (
     "__init__", "settings", "node/__init__", "node/launch", "node/place",
     "node/cleanup", "runtime/__init__", "runtime/bundlefile", "runtime/read",
     "runtime/extract", "runtime/roots", "runtime/stager", "runtime/stage",
-    "runtime/collective", "runtime/broadcast", "runtime/envreap",
+    "runtime/collective", "runtime/broadcast", "runtime/bulk",
+    "runtime/envreap",
     "runtime/topology",
 )  # fmt: skip
 NODE = "{node}"  # in DIR: the node's index, for emulated nodes on one machine

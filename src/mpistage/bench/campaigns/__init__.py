@@ -8,7 +8,9 @@ file system. These drive other things, each with its own command line:
 - :mod:`.slurm_run`: ``mpistage run`` against plain ``srun`` on the Slurm
   test cluster, per node;
 - :mod:`.strace_startup`: file-system calls of a start-up, counted with
-  ``strace`` on the local disk.
+  ``strace`` on the local disk;
+- :mod:`.bcast`: the bundle's broadcast against a plain mpi4py ``Bcast``
+  of the same bytes in the same pieces, between emulated-node leaders.
 
 docs/benchmarks.md gives each one's command and figures.
 """

@@ -25,6 +25,7 @@ from mpistage.runtime.collective import attempt, barrier
 # What a rank's finder and request path use besides the finders' own needs
 # (:data:`~mpistage.runtime.finders.SERVING`); imported before installing.
 SERVING = (
+    "mpistage.runtime.bulk",
     "mpistage.runtime.live.finder",
     "mpistage.runtime.live.mirror",
     "mpistage.runtime.live.request",

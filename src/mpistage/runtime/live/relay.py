@@ -13,9 +13,17 @@ Each node leader runs one thread (world rank 0's also holds the reader):
 - a key is answered once the push named in its acknowledgement has been
   written here, so an answer never overtakes the bytes it stands for.
 
+Every message goes in pieces of at most
+:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes (:func:`~mpistage.runtime.bulk.post`),
+so a push of a module with its libraries, gigabytes for a GPU stack, is
+taken by an MPI without large counts; a leader passes a push on as it came.
+
 The thread polls its communicator with growing sleeps (20 µs to 2 ms)
 instead of blocking inside MPI, so that an idle leader leaves the CPU to
 the program, and it wakes at once when a thread of its own process asks.
+While its sends are in flight it polls without sleeping, for up to
+:data:`~mpistage.runtime.bulk.SPIN_FOR` seconds after anything last
+happened: a push advances only inside MPI calls.
 
 The thread never imports: Python runs every finder with its global import
 lock held, so a rank's import may be waiting, lock in hand, for this very
@@ -48,6 +56,7 @@ NEEDS = (  # imported before the thread starts (see above)
     "time",
     "mpistage.runtime.finders",
     "mpistage.node.elf",
+    "mpistage.runtime.bulk",
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
     "mpistage.runtime.live.mirror",
@@ -89,6 +98,7 @@ class Relay:
         self.finished = _thread.allocate_lock()
         self.finished.acquire()
         self.seq = self.applied = 0
+        self.moved = 0.0  # when a send last began or ended (time.monotonic)
         self.known, self.pending, self.awaiting = {}, {}, []
         self.local, self.sends = [], []
         self.closing = self.said_bye = self.ended = self.stopped = False
@@ -116,12 +126,27 @@ class Relay:
                     pauses.reset()
                     quiet = time.monotonic()
                     continue
+                if self.in_flight():
+                    continue
                 idle = time.monotonic() - quiet > IDLE_AFTER
                 self.bell.acquire(timeout=POLL_IDLE if idle else pauses.next())
         except BaseException as exc:  # noqa: BLE001  (a server must not die quietly)
             self.crash(exc)
         finally:
             self.stop()
+
+    def in_flight(self):
+        """Whether bytes are on their way: poll again now, as :mod:`~.bulk` does.
+
+        Only for :data:`~mpistage.runtime.bulk.SPIN_FOR` seconds since a
+        send last began or ended: a receiver that takes nothing gets the
+        sleeping polls.
+        """
+        import time
+
+        from mpistage.runtime.bulk import SPIN_FOR
+
+        return bool(self.sends) and time.monotonic() - self.moved < SPIN_FOR
 
     def step(self):
         """Do what can be done now; return whether anything was."""
@@ -200,11 +225,15 @@ class Relay:
         return True
 
     def send(self, blob, dest, tag, comm=None):
-        """Send *blob* without waiting; it is kept until the send completes."""
-        from mpi4py import MPI
+        """Send *blob* in pieces without waiting; it is kept until they complete."""
+        import time
+
+        from mpistage.runtime.bulk import post
 
         comm = comm or self.serve
-        self.sends.append((comm.Isend([blob, MPI.BYTE], dest, tag), blob))
+        self.sends.extend((piece, blob) for piece in post(comm, blob, dest, tag))
+        self.moved = time.monotonic()
+        self.ring()  # sent by another thread (the reader's pushes): poll it now
 
     def send_down(self, blob, tag):
         """Pass *blob* on to this leader's children in the tree."""
@@ -213,12 +242,16 @@ class Relay:
 
     def progress(self):
         """Let outstanding sends complete; forget those that did."""
+        import time
+
         if not self.sends:
             return False
         with self.lock:
             left = [(r, b) for r, b in self.sends if not r.Test()]
             done = len(left) < len(self.sends)
             self.sends = left
+        if done:
+            self.moved = time.monotonic()
         return done
 
     # -- requests ------------------------------------------------------------

@@ -15,6 +15,10 @@ Three kinds of process ask three ways, behind one :meth:`need`:
   polls for the answer on the reply communicator, with a tag of its own
   per request, so that threads of one rank can ask at the same time.
 
+Requests and answers, like the relay's pushes, go in pieces
+(:mod:`~mpistage.runtime.bulk`): no message exceeds
+:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes, whatever its size.
+
 Every request ends, and within a bound: with the answer, with ``"closed"``
 once the live session has ended, or with ``"late"`` when no answer came
 within :data:`WAIT` seconds (``MPISTAGE_LIVE_WAIT``). The caller then
@@ -49,12 +53,10 @@ def dumps(value):
 
 
 def receive(comm, message, status):
-    """Receive the matched *message* (pickled bytes); return the raw buffer."""
-    from mpi4py import MPI
+    """Receive the matched *message* (pickled bytes, in pieces); return them."""
+    from mpistage.runtime.bulk import take
 
-    buf = bytearray(status.Get_count(MPI.BYTE))
-    message.Recv([buf, MPI.BYTE])
-    return buf
+    return take(comm, message, status)
 
 
 class ReaderClient:
@@ -108,7 +110,7 @@ class RankClient:
         self.serve, self.reply, self.leader = serve, reply, leader
         self.lock, self.tag, self.closed = _thread.allocate_lock(), FIRST_REPLY, False
         self.span = serve.Get_attr(MPI.TAG_UB) - FIRST_REPLY
-        self.wait, self.overdue = wait, {}  # tag: send of a late request
+        self.wait, self.overdue = wait, {}  # tag: sends of a late request
 
     def next_tag(self):
         """Return a reply tag no other request of this rank is using."""
@@ -124,19 +126,22 @@ class RankClient:
 
         from mpi4py import MPI
 
+        from mpistage.runtime.bulk import post
+
         if self.closed:
             return CLOSED
         if not self.caught_up():
             return LATE
         tag = self.next_tag()
-        sent = self.serve.Isend([dumps((tag, key)), MPI.BYTE], self.leader, REQUEST)
+        with self.lock:  # pieces of two threads' requests must not interleave
+            sent = post(self.serve, dumps((tag, key)), self.leader, REQUEST)
         status, pauses = MPI.Status(), Backoff(POLL_MIN, POLL_MAX)
         deadline = time.monotonic() + self.wait
         while True:
             message = self.reply.Improbe(self.leader, tag, status)
             if message is not None:
                 answer = pickle.loads(receive(self.reply, message, status))
-                sent.Wait()
+                MPI.Request.Waitall(sent)
                 return answer
             if self.closed:
                 return CLOSED  # The leader may be gone: no answer will come.
@@ -156,7 +161,7 @@ class RankClient:
                 message = self.reply.Improbe(self.leader, tag, status)
                 if message is not None:
                     receive(self.reply, message, status)
-                    self.overdue.pop(tag).Wait()
+                    MPI.Request.Waitall(self.overdue.pop(tag))
             return not self.overdue
 
     def close(self):

@@ -8,10 +8,12 @@ environment mode runs a program under the venv's ``mpiexec``, two ranks on
 two emulated nodes: ``mpistage-env``, ``mpistage run --env`` and ``mpistage
 stage``. Each rank must import mpi4py and numpy from its node's copy, and
 see there the ``sys.prefix``, site directories and ``sysconfig`` paths that
-the original venv gives a plain run.
+the original venv gives a plain run. Those runs are slow; the writer of
+the staged ``pyvenv.cfg`` is also tested alone, with the fields it refuses.
 """
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -19,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from envtools import under
+from mpistage import StageError
+from mpistage.runtime.extract import write_venv
 from stagetools import clean_environ, mpistage, run
-
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bin" / "mpistage-env"
@@ -177,6 +179,8 @@ def write_app(tmp_path):
     return app
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("reap_mpich_shm")
 def test_mpistage_env_runs_with_the_venvs_packages(user_venv, tmp_path, place):
     env = job_environ(place, "/usr/bin:/bin")
     command = [user_venv.bin / "mpiexec", "-n", 2, SCRIPT, user_venv.bundle]
@@ -185,6 +189,8 @@ def test_mpistage_env_runs_with_the_venvs_packages(user_venv, tmp_path, place):
     check_ranks(result, user_venv, place)
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("reap_mpich_shm")
 def test_mpistage_run_env_runs_with_the_venvs_packages(user_venv, tmp_path, place):
     # As in a job script, the venv activated: its mpistage and mpiexec.
     env = job_environ(place, f"{user_venv.bin}:/usr/bin:/bin")
@@ -196,6 +202,8 @@ def test_mpistage_run_env_runs_with_the_venvs_packages(user_venv, tmp_path, plac
     assert not (place / "run").exists()  # cleaned on every node
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("reap_mpich_shm")
 def test_mpistage_stage_gives_a_venv_per_node(user_venv, tmp_path, place):
     env = job_environ(place, f"{user_venv.bin}:/usr/bin:/bin")
     template = place / "env-n{node}"
@@ -213,3 +221,62 @@ def test_mpistage_stage_gives_a_venv_per_node(user_venv, tmp_path, place):
     command += [write_app(tmp_path)]
     result = run(command, env, cwd=tmp_path, timeout=180)
     check_ranks(result, user_venv, place)
+
+
+# What pack --env says of a uv venv's pyvenv.cfg, and what a place gets.
+UV_FIELD = {
+    "home": "base/bin",
+    "executable": "base/bin/python3.11",
+    "cfg": {"implementation": "CPython", "uv": "0.13.9", "version_info": "3.11.2"},
+}
+
+
+def write_cfg(tmp_path, venv, path=None):
+    folder = tmp_path / "place"
+    folder.mkdir()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        manifest = {"env": {"venv": venv}}
+        write_venv(fd, str(path or folder), manifest, "env.mpistage")
+    finally:
+        os.close(fd)
+    return folder / "pyvenv.cfg"
+
+
+def test_pyvenv_cfg_names_the_place_and_keeps_the_other_keys(tmp_path):
+    cfg = write_cfg(tmp_path, UV_FIELD).read_text()
+    place = tmp_path / "place"
+    assert cfg.splitlines() == [
+        "implementation = CPython",
+        "uv = 0.13.9",
+        "version_info = 3.11.2",
+        f"home = {place}/base/bin",
+        f"executable = {place}/base/bin/python3.11",
+    ]
+
+
+def test_a_bundle_without_a_venv_gets_no_pyvenv_cfg(tmp_path):
+    assert not write_cfg(tmp_path, None).exists()
+
+
+BAD_FIELDS = {
+    "home leaves the place": {**UV_FIELD, "home": "../elsewhere/bin"},
+    "absolute home": {**UV_FIELD, "home": "/usr/bin"},
+    "no executable": {"home": "base/bin", "cfg": {}},
+    "a key that is home": {**UV_FIELD, "cfg": {"Home": "/usr/bin"}},
+    "a line break in a value": {**UV_FIELD, "cfg": {"prompt": "x\nhome = /usr/bin"}},
+    "an = in a key": {**UV_FIELD, "cfg": {"a = b": "c"}},
+    "not a table": ["home", "base/bin"],
+}
+
+
+@pytest.mark.parametrize("field", BAD_FIELDS.values(), ids=BAD_FIELDS)
+def test_a_bad_venv_field_is_refused(tmp_path, field):
+    with pytest.raises(StageError, match="bad venv"):
+        write_cfg(tmp_path, field)
+    assert not (tmp_path / "place" / "pyvenv.cfg").exists()
+
+
+def test_a_place_with_a_line_break_is_refused(tmp_path):
+    with pytest.raises(StageError, match="newline"):
+        write_cfg(tmp_path, UV_FIELD, path=tmp_path / "a\nb")

@@ -37,8 +37,8 @@ from mpi4py import MPI
 world = MPI.COMM_WORLD
 info = {"rank": world.rank, "sum": world.allreduce(1), "mpi4py": mpi4py.__file__,
         "numpy": numpy.__file__, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
-        "site": site.getsitepackages(), "purelib": sysconfig.get_paths()["purelib"],
-        "scheme": sysconfig.get_default_scheme()}
+        "site": site.getsitepackages(), "scheme": sysconfig.get_default_scheme(),
+        "paths": [sysconfig.get_path(k) for k in ("purelib", "platlib", "scripts")]}
 os.write(1, ("RESULT " + json.dumps(info) + chr(10)).encode())
 """
 
@@ -149,8 +149,8 @@ def relative(facts, prefix):
     def rel(path):
         return "{prefix}" + path[len(prefix) :] if under(path, prefix) else path
 
-    keys = ("mpi4py", "numpy", "prefix", "purelib")
-    return {**{k: rel(facts[k]) for k in keys}, "site": list(map(rel, facts["site"]))}
+    found = {k: rel(facts[k]) for k in ("mpi4py", "numpy", "prefix")}
+    return {**found, **{k: list(map(rel, facts[k])) for k in ("site", "paths")}}
 
 
 def check_ranks(result, venv, place):

@@ -68,7 +68,25 @@ def shared_env(testbed):
         env_bundle(testbed)
         bundle = _os.path.join(testbed.source, "bundles", "env.mpistage")
         mpistage(["stage", bundle, "--to", target])
+        run_from(target, testbed.layout.mounted(target))
     return testbed.layout.mounted(target)
+
+
+def run_from(target, mounted):
+    """Point the staged venv at *target* (if one) at *mounted*, where it runs.
+
+    Its ``pyvenv.cfg`` names the base below where ``mpistage stage`` put the
+    copy; the bench runs the copy through the simulator's mount instead.
+    """
+    cfg = _os.path.join(target, "pyvenv.cfg")
+    if not _os.path.isfile(cfg):
+        return
+    with open(cfg) as f:
+        text = f.read()
+    for where in {target, _os.path.realpath(target)}:
+        text = text.replace(f" = {where}/", f" = {mounted}/")
+    with open(cfg, "w") as f:
+        f.write(text)
 
 
 def mpistage(args):

@@ -1,12 +1,17 @@
 """``mpistage pack --env``: a whole Python environment as one bundle.
 
-The bundle lays the environment out as one self-contained prefix, which
+The bundle lays the environment out as one self-contained tree, which
 ``mpistage stage`` unpacks node-locally:
 
-- a venv is merged with the base interpreter it points to: the venv's tree,
-  plus the base's executable, standard library (not its site-packages) and
-  ``libpython``; ``pyvenv.cfg`` is left out, so the staged ``bin/python``
-  finds its standard library next to itself;
+- a venv stays a venv, with its base interpreter inside it: the venv's tree,
+  and in ``base/`` the base's executable, standard library (not its
+  site-packages) and ``libpython``; ``bin/python`` links to
+  ``base/bin/pythonX.Y``. Its ``pyvenv.cfg`` is written where the copy
+  lands (:func:`mpistage.runtime.extract.write_venv`), since the
+  interpreter reads ``home`` as an absolute path. So ``sys.prefix``, the
+  site directories and ``sysconfig`` are the venv's, as with the original:
+  a distribution's Python (Debian's looks in ``dist-packages`` outside a
+  venv) finds the venv's ``site-packages`` too;
 - a conda environment, or any other prefix, is taken whole;
 - the shared libraries all of its ELF files need, outside the environment,
   go to ``lib/`` (see :mod:`mpistage.elfdeps`), except what every node has
@@ -28,6 +33,8 @@ DEFAULT_EXCLUDE = (
     "lib/python3.*/config-*",
     "**/__pycache__/*.opt-[12].pyc",
 )
+BASE = "base"  # where a venv's base interpreter goes in the staged tree
+VENV_OWN = ("home", "executable", "command")  # pyvenv.cfg keys made anew
 SHEBANG = (
     b"#!/bin/sh\n"
     b'\'\'\'exec\' "$(dirname -- "$(readlink -f -- "$0")")/python" '
@@ -134,7 +141,7 @@ def watch_env(env):
 
 def take_env(roots, env):
     """Take the environment's own tree (a venv without its interpreter links)."""
-    skip = {"pyvenv.cfg"} if env.base else set()
+    skip = {"pyvenv.cfg"} if env.base else set()  # written where it lands
     for entry in sorted(_os.listdir(env.prefix)):
         if entry not in skip:
             roots.take(env.prefix, _os.path.join(env.prefix, entry))
@@ -208,15 +215,22 @@ def unbundled(roots, missing):
 
 
 def destination(roots, env, root):
-    """Return where *root* goes in the staged prefix."""
-    return "" if root in (env.prefix, env.base) else "lib"
+    """Return where *root* goes in the staged tree."""
+    if root == env.prefix:
+        return ""
+    return BASE if root == env.base else "lib"
 
 
 def new_dir(roots, env, path):
-    """Return the staged directory (prefix-relative) of an original dir *path*."""
-    for root in (env.prefix, env.base):
-        if root and (path == root or path.startswith(root + _os.sep)):
-            return _os.path.relpath(path, root)
+    """Return the staged directory (tree-relative) of an original dir *path*.
+
+    A venv made inside its base's prefix (or the other way round) belongs
+    to the longer, nearer one.
+    """
+    for root in sorted((r for r in (env.prefix, env.base) if r), key=len, reverse=True):
+        if path == root or path.startswith(root + _os.sep):
+            rel = _os.path.relpath(path, root)
+            return _os.path.normpath(_os.path.join(destination(roots, env, root), rel))
     if path in roots.paths:
         return "lib"
     return None
@@ -300,8 +314,9 @@ def write_env(output, roots, env, libs, missing, watch=()):
         for path in sorted(roots.taken(root)):
             place_member(roots, env, root, path)
     if env.base:
-        for name in ("python", "python3"):
-            roots.link(env.prefix, f"bin/{name}", f"python{env.version}")
+        target = _os.path.join("..", venv_field(env)["executable"])
+        for name in ("python", "python3", f"python{env.version}"):
+            roots.link(env.prefix, f"bin/{name}", target)
     fields = {
         "kind": "env",
         "created_by": "pack --env",
@@ -314,10 +329,25 @@ def write_env(output, roots, env, libs, missing, watch=()):
             "libraries": sorted(libs),
             "missing": missing,
             "watch": list(watch),
+            "venv": venv_field(env) if env.base else None,
         },
         "launch": launch_field(),  # mpistage-env's extraction code
     }
     return write(output, roots, fields)
+
+
+def venv_field(env):
+    """What the staged ``pyvenv.cfg`` says: paths below the tree, other keys kept.
+
+    The writer at the other end: :func:`mpistage.runtime.extract.write_venv`.
+    """
+    base_python = _os.path.join(env.base, "bin", f"python{env.version}")
+    interpreter = _os.path.realpath(base_python)
+    return {
+        "home": f"{BASE}/bin",
+        "executable": f"{BASE}/bin/{_os.path.basename(interpreter)}",
+        "cfg": {k: v for k, v in env.cfg.items() if k.lower() not in VENV_OWN},
+    }
 
 
 def place_member(roots, env, root, path):

@@ -75,7 +75,7 @@ def extract_here(buf, bundle, folder, claim, owner, spread=""):
         root.close()
         return
     try:
-        extract(root.fd, buf, manifest, bundle)
+        extract(root.fd, buf, manifest, bundle, root.path)
         if manifest.get("env", {}).get("libraries"):
             write_file(claim, LIBRARIES, "yes\n")
         place.done(root, buf)

@@ -91,8 +91,11 @@ class Dirs:
         self.fds = {}
 
 
-def extract(root_fd, buf, manifest, name):
-    """Write every member of the bundle *buf* below the directory *root_fd*."""
+def extract(root_fd, buf, manifest, name, path=None):
+    """Write every member of the bundle *buf* below the directory *root_fd*.
+
+    *path* is where *root_fd* is: a staged venv's ``pyvenv.cfg`` names it.
+    """
     from mpistage.runtime.roots import destinations
 
     view, dests, dirs = memoryview(buf), destinations(manifest), Dirs(root_fd)
@@ -101,6 +104,7 @@ def extract(root_fd, buf, manifest, name):
             rel = join(dests[member["root"]], member["rel"])
             parent, _, leaf = rel.rpartition("/")
             write_member(dirs.fd(parent), leaf, rel, view, member, name)
+        write_venv(root_fd, path, manifest, name)
         for member in reversed(manifest["members"]):
             if member["type"] == "dir":
                 rel = join(dests[member["root"]], member["rel"])
@@ -111,6 +115,47 @@ def extract(root_fd, buf, manifest, name):
         raise os_error(exc, name) from None
     finally:
         dirs.close()
+
+
+def write_venv(root_fd, path, manifest, name):
+    """Write a staged venv's ``pyvenv.cfg``, its base interpreter below *path*.
+
+    The interpreter takes ``home`` as an absolute path, so it is written
+    where the copy lands, not when packed (``pack --env``'s ``venv_field``):
+    without it, a distribution's Python (Debian's) is no venv's and looks
+    for packages in ``dist-packages``, not the venv's ``site-packages``.
+    """
+    env = manifest.get("env")
+    venv = env.get("venv") if isinstance(env, dict) else None
+    if not venv:
+        return
+    if not isinstance(venv, dict):
+        raise StageError(f"bundle {name!r} has a bad venv field: pack it again")
+    if path is None:
+        raise StageError(f"{name!r}: a staged venv needs the path it is staged to")
+    lines = venv_lines(_os.path.abspath(path), venv, name)
+    write_new(root_fd, "pyvenv.cfg", "".join(lines).encode(), 0o644)
+
+
+def venv_lines(path, venv, name):
+    """Return the lines of ``pyvenv.cfg`` for the manifest's *venv* at *path*."""
+    from mpistage.runtime.bundlefile import safe_rel
+
+    if "\n" in path:
+        raise StageError(f"a venv cannot be staged to {path!r}: it holds a newline")
+    cfg, placed = venv.get("cfg"), ("home", "executable")
+    ok = isinstance(cfg, dict) and all(safe_rel(venv.get(k)) for k in placed)
+    fields = {k: f"{path}/{venv.get(k)}" for k in placed}
+    if ok and all(one_line(k, v) and k.lower() not in placed for k, v in cfg.items()):
+        return [f"{k} = {v}\n" for k, v in {**cfg, **fields}.items()]
+    raise StageError(f"bundle {name!r} has a bad venv field: pack it again")
+
+
+def one_line(key, value):
+    """Whether *key* = *value* is one ``pyvenv.cfg`` line, read back as it is."""
+    if not (isinstance(key, str) and isinstance(value, str)) or "=" in key:
+        return False
+    return key.strip() == key != "" and not any(c in key + value for c in "\r\n")
 
 
 def join(dest, rel):

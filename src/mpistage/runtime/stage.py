@@ -157,7 +157,7 @@ def leader_extract(topo, buf, manifest, place, name, holder):
             holder.append(root)
             return
         try:
-            extract(root.fd, buf, manifest, name)
+            extract(root.fd, buf, manifest, name, root.path)
             place.done(root, buf)
         except NoSpace as exc:
             place.discard(root)

@@ -332,7 +332,7 @@ def stage_here(bundle, folder, token=""):
         root.close()
         return True
     try:
-        extract(root.fd, buf, manifest, bundle)
+        extract(root.fd, buf, manifest, bundle, root.path)
         place.done(root, buf)
     except BaseException:
         place.discard(root)

@@ -480,7 +480,7 @@ class Copier:
                         plan[path] = self.read(path)
 
     def plan_package(self, folder, plan):
-        """Add the files of the package directory *folder* to *plan*, whole or not at all."""
+        """Add the files of the package directory *folder* to *plan*, or none."""
         files = self.tree_files(folder, PACKAGE_DEPTH, [], PACKAGE_FILES)
         if files is None:
             raise Declined(f"its package's directory {folder!r} is too big to copy")

@@ -351,6 +351,7 @@ class Copier:
     def __init__(self, fd, place):
         self.fd, self.place = fd, place
         self.dirs, self.listings = {}, {}
+        self.made = {}  # a directory of the copy, relative to the place -> its fd
         self.taken = {}  # original path -> its copy, relative to the place
         self.sonames, self.plugins, self.declined = set(), set(), []
         self.not_elf = set()  # originals that are no ELF file at all
@@ -556,16 +557,18 @@ class Copier:
     def put(self, path, data):
         """Write the copy of *path* (its original absolute path below ``files/``)."""
         rel = f"{FILES}{path}"
-        parts = rel.split("/")
-        fd = _os.dup(self.fd)
-        try:
-            for part in parts[:-1]:
-                fd = enter(fd, part)
-            write_new(fd, parts[-1], data, 0o700)
-        finally:
-            _os.close(fd)
+        folder, name = rel.rsplit("/", 1)
+        write_new(self.copy_dir(folder), name, data, 0o700)
         self.taken[path], self.bytes = rel, self.bytes + len(data)
         return rel
+
+    def copy_dir(self, folder):
+        """Return a descriptor of the copy's directory *folder*, made (0700) once."""
+        if folder not in self.made:
+            parent, _, name = folder.rpartition("/")
+            fd = _os.dup(self.copy_dir(parent) if parent else self.fd)
+            self.made[folder] = enter(fd, name)
+        return self.made[folder]
 
     def unput(self, path):
         """Remove the copy of *path* again."""
@@ -576,10 +579,10 @@ class Copier:
             pass  # Gone already; the place goes as a whole at the end anyway.
 
     def close(self):
-        """Close the descriptors of original directories."""
-        for fd in self.dirs.values():
+        """Close the descriptors of original directories and of the copy's."""
+        for fd in [*self.dirs.values(), *self.made.values()]:
             _os.close(fd)
-        self.dirs = {}
+        self.dirs, self.made = {}, {}
 
 
 def enter(fd, name):

@@ -131,7 +131,8 @@ def differences(plain, got):
 
 
 def test_plain_runs_the_subset(plain):
-    _code, ranks = plain
+    code, ranks = plain
+    print(f"plain: exit {code}, outcomes per rank {[sum(f.values()) for f in ranks]}")
     for found in ranks:  # every module of the subset ran, test_mpiapi's two too
         names = {name for name, _outcome in found}
         assert sum(found.values()) > 500, len(found)
@@ -150,5 +151,8 @@ def test_every_mode_gives_plain_pythons_outcomes(suite, plain, bundle, tmp_path,
         runs = [["--bundle", str(bundle)] if mode == "bundle" else []]
     for i, options in enumerate(runs):
         code, ranks = run_suite(suite, tmp_path / f"out{i}", options)
-        assert differences(plain[1], ranks) == [], (mode, i)
+        differ = differences(plain[1], ranks)
+        counts = [sum(found.values()) for found in ranks]
+        print(f"{mode} run {i + 1}: outcomes per rank {counts}, differing {differ}")
+        assert differ == [], (mode, i)
         assert code == plain[0], (mode, i)

@@ -4,7 +4,9 @@ The ``test/`` directory of the installed mpi4py's sdist (fetched once with
 pip, kept in ``${MPISTAGE_CI_CACHE:-~/.cache/mpistage-ci}/sdist``) runs as
 its users run it, ``mpiexec -n 2 python test/main.py -v``, on 2 emulated
 nodes: under plain python, then under the runner with live imports,
-``--bundle`` (``pack mpi4py numpy``) and both ``--auto`` runs. Each rank's
+``--bundle`` (``pack mpi4py numpy``) and both ``--auto`` runs; and
+``mpistage-env`` with the small venv packed whole (``pack --env``), judged
+against that venv's own python, plain. Each rank's
 report (unittest's verbose lines, on the rank's own stderr file) is parsed
 into one outcome per test and subtest; any difference from plain python's
 on the same rank fails the test.
@@ -30,11 +32,13 @@ from pathlib import Path
 import mpi4py
 import pytest
 
+from envtools import small_venv
 from stagetools import MPIEXEC, PYTHON, clean_environ, pack, run
 
 pytestmark = pytest.mark.slow
 
 MPISTAGE = str(Path(PYTHON).parent / "mpistage")
+ENV_SCRIPT = str(Path(__file__).resolve().parent.parent / "bin" / "mpistage-env")
 CACHE = Path(
     os.environ.get("MPISTAGE_CI_CACHE", Path.home() / ".cache" / "mpistage-ci")
 )
@@ -90,13 +94,17 @@ def outcomes(text):
     return found
 
 
-def run_suite(suite, out, options):
-    """Run the suite under *options* (``None``: plain python); outcomes per rank."""
+def run_suite(suite, out, options, entry=None):
+    """Run the suite under *options* (``None``: plain python); outcomes per rank.
+
+    *entry*, when given, is the command that starts each rank's Python.
+    """
     out.mkdir()
     env = dict(clean_environ(), MPISTAGE_TEST_OUT=str(out))
     env.update(MPISTAGE_EMULATE_NODES="2", MPISTAGE_STAGE_DIR=str(out))
     env["MPISTAGE_STAGE_FALLBACK"] = "no"
-    entry = [PYTHON] if options is None else [PYTHON, MPISTAGE, *options]
+    if entry is None:
+        entry = [PYTHON] if options is None else [PYTHON, MPISTAGE, *options]
     args = [x for m in MODULES for x in ("-i", m)]
     cmd = [MPIEXEC, "-n", "2", "sh", "-c", PER_RANK, *entry, "main.py", "-v", *args]
     result = run(cmd, env=env, cwd=suite, timeout=300)
@@ -156,3 +164,16 @@ def test_every_mode_gives_plain_pythons_outcomes(suite, plain, bundle, tmp_path,
         print(f"{mode} run {i + 1}: outcomes per rank {counts}, differing {differ}")
         assert differ == [], (mode, i)
         assert code == plain[0], (mode, i)
+
+
+def test_mpistage_env_gives_the_venvs_own_outcomes(
+    suite, tmp_path, tmp_path_factory, env_bundle
+):
+    python = str(small_venv(tmp_path_factory).python)
+    plain = run_suite(suite, tmp_path / "plain", None, [python])
+    staged = [ENV_SCRIPT, str(env_bundle), "--", "python"]
+    code, ranks = run_suite(suite, tmp_path / "env", None, staged)
+    differ = differences(plain[1], ranks)
+    counts = [sum(found.values()) for found in ranks]
+    print(f"mpistage-env: outcomes per rank {counts}, differing {differ}")
+    assert differ == [] and code == plain[0]

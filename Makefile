@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mpistage-installed
 
+# The suite runs as users run Python: bytecode written, output buffered, no
+# path of the caller's (a test that wants one sets it).
+AS_USERS := env -u PYTHONDONTWRITEBYTECODE -u PYTHONUNBUFFERED -u PYTHONPATH -u PYTHONSAFEPATH
+
 .PHONY: demo test test-fast lint venv system system-demo launchers clean
 
 venv: $(STAMP)
@@ -42,12 +46,12 @@ launchers: venv system
 	  ./scripts/source-venv mpich >/dev/null; fi
 
 test: venv system lint launchers
-	$(PY) -m pytest -q
+	$(AS_USERS) $(PY) -m pytest -q
 
 # The quick subset while editing: no tier of real launchers or packages, no
 # end-to-end bench or environment runs (a few minutes).
 test-fast: venv lint
-	$(PY) -m pytest -q -m "not slow and not packages and not launchers"
+	$(AS_USERS) $(PY) -m pytest -q -m "not slow and not packages and not launchers"
 
 demo: venv system-demo
 	./scripts/demo

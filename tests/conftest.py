@@ -1,14 +1,26 @@
 """Fixtures of the mpistage tests; the helpers live in ``stagetools``.
 
 Every test stages below its own ``tmp_path`` with the fallback candidates
-(/dev/shm, $TMPDIR, /tmp) disabled, so nothing lands anywhere else.
+(/dev/shm, $TMPDIR, /tmp) disabled, so nothing lands anywhere else. The
+commands run as users run them, whatever the caller's shell sets: bytecode
+written, output buffered, no path of the caller's (a test that wants one of
+these sets it in its own environment).
 """
 
+import os
 from pathlib import Path
 
 import pytest
 
 from stagetools import clean_environ, make_site, pack, reap_shm
+
+for _name in (
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONUNBUFFERED",
+    "PYTHONPATH",
+    "PYTHONSAFEPATH",
+):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture

@@ -212,12 +212,19 @@ def sha256(path):
 
 
 def tree_digests(root):
-    """Return {relative path: sha256} of every regular file below *root*."""
+    """Return {relative path: sha256} of every regular file below *root*.
+
+    ``__pycache__`` is left out: Python writes bytecode there whenever it
+    imports a module (into an original after packing, into a copy as a rank
+    runs), so it is no file of the bundle's to compare.
+    """
     root = Path(root)
     return {
         str(p.relative_to(root)): sha256(p)
         for p in sorted(root.rglob("*"))
-        if p.is_file() and not p.is_symlink()
+        if p.is_file()
+        and not p.is_symlink()
+        and "__pycache__" not in p.relative_to(root).parts
     }
 
 

@@ -7,6 +7,7 @@ bundled roots.
 """
 
 import json
+import py_compile
 import shutil
 import sys
 import zipfile
@@ -112,6 +113,9 @@ def test_iter_modules_lists_bundled_roots(tmp_path, tiny_env, tiny):
         "names = sorted(m.name for m in pkgutil.iter_modules())\n"
         "emit([names, os.getpid()])\n"
     )
+    # A plain run wrote bytecode beside the original after packing: the
+    # ranks list the root without a look into the original's __pycache__.
+    py_compile.compile(str(tiny["site"] / "othermod.py"), doraise=True)
     expected, emitted, traces = run_both(tmp_path, tiny_env, body, tiny["bundle"])
     assert {"tinypkg", "othermod"} <= set(expected[0])
     for names, _pid in emitted:

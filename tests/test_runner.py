@@ -176,6 +176,7 @@ from mpi4py import MPI
 root = os.path.dirname(tinypkg.__file__)
 digests = {}
 for top, dirs, files in os.walk(root):
+    dirs[:] = [d for d in dirs if d != "__pycache__"]  # bytecode the ranks write
     for name in files:
         path = os.path.join(top, name)
         with open(path, "rb") as f:

@@ -76,7 +76,11 @@ def test_ctrl_c_during_pack_is_one_line_and_leaves_nothing(tmp_path):
         text=True,
         env=clean_environ(),
     )
-    time.sleep(1.5)
+    # Interrupt it while it writes: once its temporary bundle is there.
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".mpistage-*.tmp")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

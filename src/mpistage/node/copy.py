@@ -8,6 +8,12 @@
 - extension modules and the MPI library are copied into the node's place
   before they are loaded, and loaded from the copy, by this rank too, so
   every rank of the node maps the same files (:class:`Copier`);
+- an extension module of a package takes along the rest of the package's
+  directory (``__pycache__`` aside): its ``__file__`` is in the copy, and
+  what the package reaches beside it must be there as in the original
+  (mpi4py's ``libmpi.pxd``, ``mpi.cfg`` behind ``get_config()``,
+  ``include/`` behind ``get_include()``); a directory too big to copy
+  whole leaves the extension module where it is;
 - a copied library takes along the libraries it needs from the directories
   its ``$ORIGIN`` run path names (read from its ELF dynamic section, then
   looked for in listings of those directories, as the dynamic loader would
@@ -28,6 +34,7 @@ then does this rank start MPI, as mpi4py would have at import.
 """
 
 import os as _os
+import sys as _sys
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
@@ -50,6 +57,8 @@ PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
 # The dynamic loader's own directories: part of the node's image, not copied.
 SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
 PLUGIN_DEPTH = 3  # directory levels of a plugin directory
+PACKAGE_FILES = 256  # files a package's directory may hold to go with its extension
+PACKAGE_DEPTH = 4  # directory levels of that directory (mpi4py/include/mpi4py)
 LOADER_SUBDIRS = ("glibc-hwcaps", "tls", "haswell", "xeon_phi", "avx512_1")
 
 
@@ -211,7 +220,8 @@ class ImportRecorder(Hook):
 
     def extension(self, spec, found_by_path):
         """Return the spec of the extension module's copy (or *spec*, if none)."""
-        rel = self.copier.take(spec.origin, plugins=False)
+        folder = package_folder(spec)
+        rel = self.copier.take(spec.origin, plugins=False, beside=folder)
         if rel is None:
             return spec
         name, locations = spec.name, spec.submodule_search_locations
@@ -278,6 +288,17 @@ class ImportRecorder(Hook):
         }
 
 
+def package_folder(spec):
+    """The directory of the package an extension module *spec* lies in, or None.
+
+    That is where the module's ``__file__`` leads its package, in the copy.
+    """
+    folder = _os.path.dirname(_os.path.abspath(spec.origin))
+    parent = spec.parent and _sys.modules.get(spec.parent)
+    paths = getattr(parent, "__path__", None) or ()
+    return folder if folder in (_os.path.abspath(p) for p in paths) else None
+
+
 class Recording:
     """A Python module's usual loader, whose code the :class:`ImportRecorder` keeps."""
 
@@ -330,6 +351,7 @@ class Copier:
     def __init__(self, fd, place):
         self.fd, self.place = fd, place
         self.dirs, self.listings = {}, {}
+        self.made = {}  # a directory of the copy, relative to the place -> its fd
         self.taken = {}  # original path -> its copy, relative to the place
         self.sonames, self.plugins, self.declined = set(), set(), []
         self.not_elf = set()  # originals that are no ELF file at all
@@ -337,10 +359,11 @@ class Copier:
         self.first = {}  # original path -> the copies to load before it, in order
         self.redirected = set()  # originals LD_LIBRARY_PATH finds before $ORIGIN
 
-    def take(self, path, plugins):
+    def take(self, path, plugins, beside=None):
         """Copy the ELF object *path* with what it needs; return its copy, or None.
 
-        With *plugins*, the plugin directories beside each library go too.
+        With *plugins*, the plugin directories beside each library go too;
+        with *beside* (a package's directory), the files of that directory.
         All is read first and written after; what cannot be read or written
         whole (a full file system) is not copied at all.
         """
@@ -357,6 +380,8 @@ class Copier:
             if plugins:
                 for folder in sorted({_os.path.dirname(p) for p in plan}):
                     self.plan_plugins(folder, plan)
+            if beside is not None:
+                self.plan_package(beside, plan)
             self.put_all(plan)
         except (Declined, OSError) as exc:
             failed = isinstance(exc, OSError)
@@ -455,6 +480,33 @@ class Copier:
                     if path not in self.taken and path not in plan:
                         plan[path] = self.read(path)
 
+    def plan_package(self, folder, plan):
+        """Add the files of the package directory *folder* to *plan*, or none."""
+        files = self.tree_files(folder, PACKAGE_DEPTH, [], PACKAGE_FILES)
+        if files is None:
+            raise Declined(f"its package's directory {folder!r} is too big to copy")
+        for path in files:
+            if path not in self.taken and path not in plan:
+                plan[path] = self.read(path)
+
+    def tree_files(self, folder, depth, found, most):
+        """Return the files below *folder* but ``__pycache__``; None past the bounds."""
+        entries = self.listing(folder)
+        if entries is None or depth == 0:
+            return None
+        for name, is_dir in sorted(entries.items()):
+            path = f"{folder}/{name}"
+            if name == "__pycache__":
+                continue
+            if is_dir:
+                if self.tree_files(path, depth - 1, found, most) is None:
+                    return None
+            else:
+                found.append(path)
+            if len(found) > most:
+                return None
+        return found
+
     def plugin_files(self, folder, depth, found):
         """Return the files of a directory of shared objects only, else None."""
         entries = self.listing(folder)
@@ -505,16 +557,18 @@ class Copier:
     def put(self, path, data):
         """Write the copy of *path* (its original absolute path below ``files/``)."""
         rel = f"{FILES}{path}"
-        parts = rel.split("/")
-        fd = _os.dup(self.fd)
-        try:
-            for part in parts[:-1]:
-                fd = enter(fd, part)
-            write_new(fd, parts[-1], data, 0o700)
-        finally:
-            _os.close(fd)
+        folder, name = rel.rsplit("/", 1)
+        write_new(self.copy_dir(folder), name, data, 0o700)
         self.taken[path], self.bytes = rel, self.bytes + len(data)
         return rel
+
+    def copy_dir(self, folder):
+        """Return a descriptor of the copy's directory *folder*, made (0700) once."""
+        if folder not in self.made:
+            parent, _, name = folder.rpartition("/")
+            fd = _os.dup(self.copy_dir(parent) if parent else self.fd)
+            self.made[folder] = enter(fd, name)
+        return self.made[folder]
 
     def unput(self, path):
         """Remove the copy of *path* again."""
@@ -525,10 +579,10 @@ class Copier:
             pass  # Gone already; the place goes as a whole at the end anyway.
 
     def close(self):
-        """Close the descriptors of original directories."""
-        for fd in self.dirs.values():
+        """Close the descriptors of original directories and of the copy's."""
+        for fd in [*self.dirs.values(), *self.made.values()]:
             _os.close(fd)
-        self.dirs = {}
+        self.dirs, self.made = {}, {}
 
 
 def enter(fd, name):

@@ -192,11 +192,16 @@ def listed_modules(entries, is_package, prefix=""):
     """Yield ``(name, ispkg)`` of a directory's *entries* as ``pkgutil`` does.
 
     *entries* end in ``/`` for directories; ``is_package(name)`` says
-    whether the directory *name* holds an ``__init__`` module.
+    whether the directory *name* holds an ``__init__`` module. Python's
+    ``__pycache__`` holds bytecode only, so it is no package, and nobody
+    looks into it: a copy lacks the one Python writes beside an original
+    after packing, and looking there would be a look at the original.
     """
     yielded = set()
     for entry in entries:
         name = entry.rstrip("/")
+        if name == "__pycache__":
+            continue
         module, package = module_name(name), False
         if not module and entry.endswith("/") and "." not in name:
             module, package = name, is_package(name)

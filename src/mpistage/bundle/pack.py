@@ -13,9 +13,8 @@ same root hold are taken too, with the distribution that owns each (CUDA's
 keeps the root's layout, so ``$ORIGIN/../../nvidia/cublas/lib`` leads into
 the copy as it led to the original. Test directories (``*/tests``) are
 left out unless ``tests=True``: they are a quarter of numpy and no program
-imports them. ``stdlib=True``
-adds the standard library, so that what the program imports from it after
-activation is served node-locally too. Every directory on ``sys.path`` is
+imports them. ``stdlib=True`` adds the standard library, so that what the
+program imports from it after activation is served node-locally too. Every directory on ``sys.path`` is
 recorded with its listing, so that the runner answers absent names there
 without the file system.
 """

@@ -183,6 +183,9 @@ def test_pack_takes_the_libraries_of_other_distributions(
     members = {m["rel"] for m in json.loads(listed.stdout)["members"]}
     assert set(LIBS) <= members
     assert "nvidia_fakecublas-1.0.dist-info/RECORD" in members  # its owner, whole
+    assert "nvidia/fakecublas/__init__.py" in members
+    shown = mpistage(["inspect", bundle], env=env).stdout
+    assert f"libraries from other distributions: {', '.join(sorted(LIBS))}" in shown
 
     report = tmp_path / "report.json"
     stage_env.update(
@@ -257,3 +260,58 @@ def test_auto_replay_serves_the_libraries_from_the_copy(
     result, opens = traced_run(tmp_path, stage_env, options)
     assert "--auto: replayed" in result.stderr, result.stderr
     check_served(result, opens, site, stage_env, stage_dir, report)
+
+
+def test_pack_exclude_leaves_the_libraries_to_the_originals(tmp_path, site):
+    env = dict(clean_environ(), PYTHONPATH=str(site))
+    args = ["gpuext", "--exclude", "nvidia", "--exclude", "*.libs"]
+    bundle = pack(tmp_path / "gpu.mpistage", *args, env=env)
+    manifest = json.loads(mpistage(["inspect", "--json", bundle], env=env).stdout)
+    members = {m["rel"] for m in manifest["members"]}
+    assert not [rel for rel in members if rel.startswith(("nvidia", "fakehelper"))]
+    assert "libraries" not in manifest
+
+
+def test_report_libraries_worked_out_by_hand(tmp_path):
+    """Two ranks: the copy's libraries named once each, the originals' sizes
+    looked up once: 3 MB + 1.5 MB."""
+    from mpistage.runtime import libraries
+
+    big, small = tmp_path / "libbig.so.12", tmp_path / "libsmall.so"
+    for path, size in ((big, 3_000_000), (small, 1_500_000)):
+        path.touch()
+        os.truncate(path, size)
+    ranks = [
+        {"copy": ["/sw/site/a.so"], "originals": [str(big)]},
+        {
+            "copy": ["/sw/site/a.so", "/sw/site/b.so.1"],
+            "originals": [str(big), str(small)],
+        },
+        None,  # a rank with nothing to say
+    ]
+    found = libraries.summarize(ranks)
+    assert (found["copy"], found["originals"]) == (2, 2)
+    assert found["original_bytes"] == 4_500_000
+    assert found["largest"] == [[str(big), 3_000_000], [str(small), 1_500_000]]
+    assert libraries.render(found) == [
+        "  libraries: 2 from the node's copy, 2 from the originals (4.5 MB)",
+        f"  largest originals: {big} (3.0 MB), {small} (1.5 MB)",
+    ]
+    assert libraries.render(libraries.summarize([None])) == []
+
+
+def test_a_bundles_copy_is_named_by_its_originals():
+    from mpistage.runtime.libraries import bundle_namer, is_shared_object
+
+    roots = [{"path": f"/sw/root{i}"} for i in range(11)]
+    namer = bundle_namer("/place", {"roots": roots})
+    assert namer("/place/r1/x/libx.so") == "/sw/root1/x/libx.so"
+    assert namer("/place/r10/x/libx.so") == "/sw/root10/x/libx.so"
+    assert namer("/elsewhere/r1/libx.so") is None
+    assert [
+        is_shared_object(p) for p in ("/a/libx.so.12", "/a/_e.so", "/a/x.sock")
+    ] == [
+        True,
+        True,
+        False,
+    ]

@@ -14,9 +14,9 @@ keeps the root's layout, so ``$ORIGIN/../../nvidia/cublas/lib`` leads into
 the copy as it led to the original. Test directories (``*/tests``) are
 left out unless ``tests=True``: they are a quarter of numpy and no program
 imports them. ``stdlib=True`` adds the standard library, so that what the
-program imports from it after activation is served node-locally too. Every directory on ``sys.path`` is
-recorded with its listing, so that the runner answers absent names there
-without the file system.
+program imports from it after activation is served node-locally too.
+Every directory on ``sys.path`` is recorded with its listing, so that the
+runner answers absent names there without the file system.
 """
 
 import os as _os
@@ -152,9 +152,12 @@ def add_libraries(selection, names):
     for root in selection.paths:
         owners = Owners(root)
         for path in needed_below(root, selection.taken(root)):
+            rel = _os.path.relpath(path, root)
+            if selection.excluded(rel):
+                continue  # left to the original, and so is its distribution
             if path not in selection.taken(root):
                 owners.take(selection, path)
-            added.append(_os.path.relpath(path, root))
+            added.append(rel)
     return added
 
 

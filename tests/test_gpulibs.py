@@ -64,6 +64,17 @@ maps = sorted({line.split()[-1] for line in open("/proc/self/maps")
 emit({"value": gpuext.gemm(19), "maps": maps})
 """
 
+# torch's way (2.5 and later): preload a CUDA library found along sys.path,
+# by the path of its original, before the extension needs it.
+PRELOAD = """
+import ctypes, glob, os, sys
+for entry in sys.path:
+    found = glob.glob(os.path.join(entry, "nvidia", "fakecublas", "lib", "lib*.so"))
+    if found:
+        ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+        break
+"""
+
 LIBS = ("nvidia/fakecublas/lib/libfakecublas.so", "fakehelper.libs/libfakehelper.so")
 
 
@@ -138,13 +149,13 @@ def site(tmp_path, built):
     return copy
 
 
-def traced_run(tmp_path, env, options, ranks=2):
+def traced_run(tmp_path, env, options, ranks=2, body=TARGET):
     """``mpiexec -n RANKS python -m mpistage OPTIONS app.py`` under strace."""
     if shutil.which("strace") is None:
         pytest.skip("no strace")
     if MPIEXEC is None:
         pytest.skip("no mpiexec")
-    target = write_target(tmp_path / "app.py", TARGET)
+    target = write_target(tmp_path / "app.py", body)
     log = tmp_path / f"strace.{len(list(tmp_path.glob('strace.*')))}.log"
     tracer = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", log]
     args = [MPIEXEC, "-n", ranks, PYTHON, "-m", "mpistage", *options, target]
@@ -194,6 +205,20 @@ def test_pack_takes_the_libraries_of_other_distributions(
     result, opens = traced_run(tmp_path, stage_env, ["--bundle", bundle, "--report"])
     check_served(result, opens, site, stage_env, stage_dir, report)
     assert "0 from the originals (0.0 MB)" in result.stderr  # only the package's
+
+
+def test_a_library_ctypes_loads_by_its_original_path_comes_from_the_copy(
+    tmp_path, stage_env, stage_dir, site
+):
+    env = dict(clean_environ(), PYTHONPATH=str(site))
+    bundle = pack(tmp_path / "gpu.mpistage", "gpuext", env=env)
+    report = tmp_path / "report.json"
+    stage_env.update(
+        PYTHONPATH=str(site), MPISTAGE_EMULATE_NODES="2", MPISTAGE_REPORT=str(report)
+    )
+    options = ["--bundle", bundle, "--report"]
+    result, opens = traced_run(tmp_path, stage_env, options, body=PRELOAD + TARGET)
+    check_served(result, opens, site, stage_env, stage_dir, report)
 
 
 def test_report_names_the_libraries_left_to_the_originals(

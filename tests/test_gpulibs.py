@@ -246,13 +246,15 @@ def test_report_names_the_libraries_left_to_the_originals(
     assert str(site / LIBS[0]) in result.stderr
 
 
+@pytest.mark.parametrize("granularity", ["package", "file"])
 def test_record_takes_the_libraries_the_process_mapped(
-    tmp_path, stage_env, stage_dir, site
+    tmp_path, stage_env, stage_dir, site, granularity
 ):
     env = dict(clean_environ(), PYTHONPATH=str(site), MPISTAGE_TEST_OUT=str(tmp_path))
     target = write_target(tmp_path / "app.py", TARGET)
     bundle = tmp_path / "rec.mpistage"
-    done = mpistage(["record", "-o", bundle, "--", sys.executable, target], env=env)
+    args = ["record", "-o", bundle, "--granularity", granularity]
+    done = mpistage([*args, "--", sys.executable, target], env=env)
     assert done.returncode == 0, done
     (tmp_path / "plain.json").unlink()
     report = tmp_path / "report.json"

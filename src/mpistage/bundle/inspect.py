@@ -23,7 +23,11 @@ def environment(manifest):
             f"libraries from outside it: {libs}",
         ]
     packages = ", ".join(map(str, manifest.get("packages") or []))
-    return [f"packages: {packages or '(whole directories)'}"]
+    lines = [f"packages: {packages or '(whole directories)'}"]
+    if manifest.get("libraries"):
+        libs = ", ".join(map(str, manifest["libraries"]))
+        lines.append(f"libraries from other distributions: {libs}")
+    return lines
 
 
 def recorded(manifest):

@@ -5,12 +5,18 @@ top-level package or module as the current Python would, and takes
 everything an import of it needs from its sys.path root: all its files, its
 distribution metadata directory, the files its ``RECORD`` places in the root
 (auditwheel's ``<name>.libs``, ``.pth`` files) and a ``<name>.libs``
-sibling. Test directories (``*/tests``) are left out unless ``tests=True``:
-they are a quarter of numpy and no program imports them. ``stdlib=True``
-adds the standard library, so that what the program imports from it after
-activation is served node-locally too. Every directory on ``sys.path`` is
-recorded with its listing, so that the runner answers absent names there
-without the file system.
+sibling. The shared libraries the package's extensions need (their ELF
+``DT_NEEDED``, found through RUNPATH, RPATH and ``$ORIGIN`` as the loader
+finds them: :mod:`mpistage.bundle.elfdeps`) that other distributions of the
+same root hold are taken too, with the distribution that owns each (CUDA's
+``nvidia/cublas/lib``, another wheel's ``<name>.libs``): the node's copy
+keeps the root's layout, so ``$ORIGIN/../../nvidia/cublas/lib`` leads into
+the copy as it led to the original. Test directories (``*/tests``) are
+left out unless ``tests=True``: they are a quarter of numpy and no program
+imports them. ``stdlib=True`` adds the standard library, so that what the
+program imports from it after activation is served node-locally too.
+Every directory on ``sys.path`` is recorded with its listing, so that the
+runner answers absent names there without the file system.
 """
 
 import os as _os
@@ -65,12 +71,15 @@ def pack(
     selection = Selection(tuple(exclude) + (() if tests else TEST_DIRS))
     for name in names:
         add_package(selection, name)
+    libraries = add_libraries(selection, names)
     for path in paths:
         add_tree(selection, path)
     if stdlib:
         add_stdlib(selection)
     add_listings(selection)
     fields = {"created_by": "pack", "packages": sorted(names)}
+    if libraries:
+        fields["libraries"] = libraries
     return write(output, selection, fields)
 
 
@@ -149,6 +158,75 @@ def add_distribution(selection, root, name):
             path = _os.path.normpath(_os.path.abspath(dist.locate_file(f)))
             if path.startswith(root + _os.sep) and _os.path.lexists(path):
                 selection.take(root, path)
+
+
+def add_libraries(selection, names):
+    """Add the libraries the taken extensions need from other distributions.
+
+    Only those below the extension's own root: a library elsewhere is found
+    at its original place from the copy too. Returns the libraries added, by
+    root-relative path.
+    """
+    added = []
+    if not names:
+        return added
+    for root in selection.paths:
+        owners = Owners(root)
+        for path in needed_below(root, selection.taken(root)):
+            rel = _os.path.relpath(path, root)
+            if selection.excluded(rel):
+                continue  # left to the original, and so is its distribution
+            if path not in selection.taken(root):
+                owners.take(selection, path)
+            added.append(rel)
+    return added
+
+
+def needed_below(root, taken):
+    """Return the libraries below *root*, not in *taken*, that ELF files of it need."""
+    from mpistage.bundle.elfdeps import closure, is_elf
+
+    elves = [
+        path
+        for path in sorted(taken)
+        if ".so" in _os.path.basename(path) and not _os.path.islink(path)
+        and is_elf(path)
+    ]  # fmt: skip
+    if not elves:
+        return []
+    found, _missing = closure(elves)
+    paths = {_os.path.normpath(_os.path.abspath(p)) for p in found.values()}
+    return sorted(p for p in paths if p.startswith(root + _os.sep) and p not in taken)
+
+
+class Owners:
+    """Which installed distribution of a root owns a file (its ``RECORD``)."""
+
+    def __init__(self, root):
+        self.root, self.files = root, None
+
+    def owner(self, path):
+        """Return every file of the distribution that owns *path*, or ``[]``."""
+        from importlib.metadata import distributions
+
+        if self.files is None:
+            self.files = {}
+            for dist in distributions(path=[self.root]):
+                paths = [_os.path.normpath(_os.path.abspath(dist.locate_file(f)))
+                         for f in dist.files or ()]  # fmt: skip
+                for found in paths:
+                    self.files.setdefault(found, paths)
+        return self.files.get(path, [])
+
+    def take(self, selection, path):
+        """Take the distribution that owns the library *path*; else its directory."""
+        owned = self.owner(path)
+        for found in owned:
+            if found.startswith(self.root + _os.sep) and _os.path.lexists(found):
+                selection.take(self.root, found)
+        folder = _os.path.dirname(path)
+        if not owned:
+            selection.take(self.root, folder if folder != self.root else path)
 
 
 def add_tree(selection, path):

@@ -41,6 +41,12 @@ and coverage compare it with files they find on disk, and coverage knows
 the standard library by its place. Their bytes still come from the staged
 copy (:class:`TransparentLoader`).
 
+A library that ``ctypes`` is asked to load by the path of its original
+below a bundled root (torch preloads CUDA libraries it finds along
+``sys.path``: ``nvidia/cuda_nvrtc/lib/libnvrtc.so.12``) is loaded from the
+copy when the copy holds it (:class:`Libraries`), as the dynamic loader
+finds the extensions' own libraries there through ``$ORIGIN``.
+
 ``pkgutil.iter_modules`` lists bundled roots from their listings, and
 ``pkg_resources`` builds its working set from the staged copies. After a
 ``staged()`` block, modules imported inside it are pointed back at the
@@ -251,9 +257,11 @@ class MetadataFinder(_finders.ServingMetaFinder):
 
     AFTER = dict(_finders.ServingMetaFinder.AFTER, pkg_resources=register_pkg_resources)
 
-    def __init__(self, base, roots):
+    def __init__(self, base, roots, libraries=None):
         super().__init__(base)
         self.roots = roots
+        if libraries is not None:
+            self.AFTER = dict(self.AFTER, ctypes=libraries.install)
 
     def distributions(self, folder, name):
         """The distributions of a bundled root: its copy's, and maybe its own."""
@@ -347,6 +355,54 @@ def wrap_meta_finders(finders):
     return wrapped
 
 
+class Libraries:
+    """Loads what ``ctypes`` is asked for by an original's path from the copy.
+
+    ``ctypes.CDLL`` opens a library through ``ctypes._dlopen``; while the
+    bundle is active, that is wrapped: a path below a bundled root whose
+    copy holds the file is opened in the copy (a stat of the node-local
+    copy, no look at the original). Names without a ``/``, paths elsewhere
+    and files the bundle lacks go to the loader as they are. ``ctypes``
+    is not imported for this: it is wrapped when the program imports it.
+    """
+
+    def __init__(self, roots):
+        self.roots = [(r.path + _os.sep, r.staged) for r in roots.values() if r.staged]
+        self.prefixes = tuple(prefix for prefix, _ in self.roots)
+        self.module = self.real = self.wrapper = None
+
+    def copy(self, name):
+        """Return where the library *name* is in the copy, else *name*."""
+        if not isinstance(name, str) or not name.startswith(_os.sep):
+            return name
+        path = _os.path.normpath(name)
+        if not path.startswith(self.prefixes):
+            return name
+        for prefix, staged in self.roots:
+            if path.startswith(prefix):
+                copy = _os.path.join(staged, path[len(prefix) :])
+                return copy if _os.path.isfile(copy) else name
+        return name
+
+    def install(self, ctypes):
+        """Wrap ``ctypes._dlopen`` of the module *ctypes* (once)."""
+        real = getattr(ctypes, "_dlopen", None)
+        if self.real is not None or real is None:
+            return
+        self.module, self.real = ctypes, real
+
+        def dlopen(name, *args, **kwargs):
+            return real(self.copy(name), *args, **kwargs)
+
+        ctypes._dlopen = self.wrapper = dlopen
+
+    def uninstall(self):
+        """Put ``ctypes._dlopen`` back, if it is still ours."""
+        if self.real is not None and self.module._dlopen is self.wrapper:
+            self.module._dlopen = self.real
+        self.module = self.real = None
+
+
 # -- activation and its end ----------------------------------------------------------
 
 
@@ -356,6 +412,7 @@ class Activation:
     def __init__(self, root, hook, meta, wrapped, before, environ, roots=None):
         self.root, self.hook, self.meta, self.wrapped = root, hook, meta, wrapped
         self.before, self.environ, self.roots = before, environ, roots or {}
+        self.libraries = None
 
 
 def roots_of(staged):
@@ -418,16 +475,21 @@ def activate(staged, children=True):
     finders, partial = finders_of(roots)
     hook = StagedHook(finders, partial)
     _sys.path_hooks.insert(0, hook)
-    meta = _finders.stand_in(lambda base: MetadataFinder(base, roots))
+    libraries = Libraries(roots)
+    meta = _finders.stand_in(lambda base: MetadataFinder(base, roots, libraries))
     wrapped = wrap_meta_finders(finders)
     inside = tuple(root + _os.sep for root in finders)
     _finders.forget(lambda path: path in finders or path.startswith(inside))
     importlib.invalidate_caches()
     if "pkgutil" in _sys.modules:
         _finders.register_pkgutil(_sys.modules["pkgutil"])
+    if "ctypes" in _sys.modules:
+        libraries.install(_sys.modules["ctypes"])
     environ = inherit(staged) if children else None
     before = set(_sys.modules)
-    return Activation(staged.path, hook, meta, wrapped, before, environ, roots)
+    activation = Activation(staged.path, hook, meta, wrapped, before, environ, roots)
+    activation.libraries = libraries
+    return activation
 
 
 def deactivate(activation):
@@ -444,6 +506,8 @@ def deactivate(activation):
     _finders.drop_finders(StagedFinder)
     if activation.environ is not None:
         restore(activation.environ)
+    if activation.libraries is not None:
+        activation.libraries.uninstall()
     roots = activation.roots.values()
     _finders.repoint([(r.staged, r.path) for r in roots if r.staged])
     for root in roots:

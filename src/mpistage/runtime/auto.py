@@ -47,6 +47,7 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
+from mpistage.runtime.libraries import mapped_files
 from mpistage.runtime.report import read_of
 
 KEY_DIGITS = 24  # hex digits of a cache key: 96 bits, no two targets alike
@@ -611,20 +612,6 @@ def originals(paths):
     """Return *paths* with the node boot's copies named by their originals."""
     boot = _sys.modules.get("mpistage.node.boot")
     return {boot.original(p) for p in paths} if boot is not None else set(paths)
-
-
-def mapped_files():
-    """Return the files mapped into this process (shared libraries)."""
-    found = set()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(None, 5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    found.add(fields[5].strip())
-    except OSError:
-        pass
-    return found
 
 
 def start_child(folder):

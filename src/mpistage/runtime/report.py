@@ -8,11 +8,16 @@ When a report is asked for, every rank also counts, after activation, each
 access to the original of a bundled root that the bundle could have served:
 files opened for reading and directories listed, by kind (modules,
 distribution metadata, other data), through an audit hook (:class:`Watch`).
-``stat`` calls are not audited by Python and are not counted.
+``stat`` calls are not audited by Python and are not counted. And every
+rank says which shared objects it mapped, from the node's copy or from the
+originals (:mod:`~mpistage.runtime.libraries`): libraries are where a GPU
+stack's bytes are.
 """
 
 import os as _os
 import sys as _sys
+
+from mpistage.runtime import libraries as _libraries
 
 STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run")
 
@@ -94,8 +99,8 @@ def kind_of(event, path):
     return "data"
 
 
-def local_facts(session, seconds, watch=None):
-    """Return this rank's timings, import counts and original accesses."""
+def local_facts(session, seconds, watch=None, live=None):
+    """Return this rank's timings, import counts, original accesses, libraries."""
     empty = {"served": [], "missed": [], "stdlib": []}
     activation = session.activation if session else None
     modules = classify(activation) if activation else empty
@@ -107,6 +112,7 @@ def local_facts(session, seconds, watch=None):
         "stage_root": root,
         "accesses": accesses,
         "start": start_facts(),
+        "libraries": _libraries.local(session, live),
     }
 
 
@@ -140,6 +146,7 @@ def summarize(job, ranks):
             "missed_on_ranks": missing_ranks,
         },
         "original_accesses": accesses,
+        "libraries": _libraries.summarize([r.get("libraries") for r in ranks]),
         "live": live_summary(job.get("live"), ranks),
         "start": starts([r.get("start") for r in ranks]),
     }
@@ -193,6 +200,7 @@ def render(report):
         f"  modules: {mods['served']} served from the staged copy, "
         f"{mods['missed']} missed, {mods['stdlib']} from the standard library",
     ]
+    lines += _libraries.render(report.get("libraries"))
     live = report.get("live")
     if live:
         lines.append(live_line(live))

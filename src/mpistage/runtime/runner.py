@@ -341,7 +341,7 @@ class Runner:
         if not self.reporting():
             return
         seconds = {**self.session.seconds, **self.seconds}
-        facts = report.local_facts(self.session, seconds, self.watch)
+        facts = report.local_facts(self.session, seconds, self.watch, self.live)
         facts["live"] = self.live.facts() if self.live else None
         ranks = self.world.gather(facts, root=0)
 

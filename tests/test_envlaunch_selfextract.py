@@ -8,6 +8,7 @@ touched. The Slurm form is in tests/test_envlaunch_launchers.py.
 """
 
 import shutil
+import subprocess
 
 import pytest
 
@@ -63,3 +64,26 @@ def test_the_users_own_file_is_never_removed(run_file, tmp_path, place):
 def test_it_says_how_to_run_it(run_file, tmp_path):
     result = run([run_file, "python"], clean_environ(), timeout=30)
     assert result.returncode == 2 and "-- COMMAND" in result.stderr
+
+
+def test_a_large_job_reading_a_large_bundle_is_told_the_broadcast_form(tmp_path):
+    """On the first node of a Slurm job of 128 nodes, a bundle of 1 GB or more
+    read by each node gets one note naming the self-extracting form."""
+    from test_envlaunch import SCRIPT
+
+    big = tmp_path / "big.mpistage"
+    with open(big, "wb") as f:
+        f.truncate((1 << 30) + 4096)  # read as a bundle, then refused
+    place = tmp_path / "shm"
+    place.mkdir(mode=0o700)
+    env = dict(environ(place), SLURM_JOB_ID="9", SLURM_NODEID="0")
+    del env["MPISTAGE_EMULATE_NODES"]
+    notes = {}
+    for nodes in ("127", "128"):
+        env["SLURM_JOB_NUM_NODES"] = nodes
+        result = run([SCRIPT, big, "--", "true"], env, cwd=tmp_path, timeout=120)
+        assert result.returncode == 1, result
+        notes[nodes] = [ln for ln in result.stderr.splitlines() if "note:" in ln]
+        subprocess.run(["rm", "-rf", *map(str, place.iterdir())], check=True)
+    assert notes["127"] == [] and len(notes["128"]) == 1, notes
+    assert "--self-extracting" in notes["128"][0] and "srun --bcast" in notes["128"][0]

@@ -40,9 +40,11 @@ def main(argv=None):
             from mpistage.runtime.stager import main as entry
 
             argv = argv[1:]
+            status = entry(world, argv)
         else:
             from mpistage.runtime.runner import main as entry
-        status = entry(world, argv)
+
+            status = entry(world, argv, learn=learned)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:
@@ -52,6 +54,20 @@ def main(argv=None):
 
         leave()
     _sys.exit(status)
+
+
+def learned(*args):
+    """Save what an ``--auto`` run learned: :func:`mpistage.learn.save`.
+
+    Loaded at the end of the run, read relative to mpistage's directory
+    (:func:`mpistage.load_local`), never through the finders now serving.
+    """
+    from mpistage import load_local
+
+    load_local("mpistage", ("learn",))
+    from mpistage.learn import save
+
+    return save(*args)
 
 
 def tool_path(argv=None):

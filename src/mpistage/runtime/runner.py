@@ -127,7 +127,7 @@ class Runner:
 
     def __init__(self, world, options, args):
         self.world, self.options, self.args = world, options, list(args)
-        self.session = self.recorder = self.auto = self.watch = None
+        self.session = self.recorder = self.auto = self.watch = self.learn = None
         self.status, self.ended, self.cancel_watch = 0, False, None
         self.seconds, self.live = {}, None
 
@@ -332,10 +332,8 @@ class Runner:
         from mpistage.runtime import report
         from mpistage.runtime.collective import attempt
 
-        if self.recorder is not None:
-            from mpistage.runtime import auto
-
-            auto.save(
+        if self.recorder is not None and self.learn is not None:
+            self.learn(
                 self.world, self.recorder, self.session.bundle, self.args, self.live
             )
         if not self.reporting():
@@ -467,10 +465,15 @@ def is_zip(data):
     return b"PK\x05\x06" in data[-(1 << 16) - 22 :]
 
 
-def main(world, argv):
-    """Run the target of *argv* with staging on every rank of *world*."""
+def main(world, argv, learn=None):
+    """Run the target of *argv* with staging on every rank of *world*.
+
+    *learn* saves what an ``--auto`` run learned (:func:`mpistage.learn.save`,
+    from a layer above this one); without it, ``--auto`` runs plainly.
+    """
     options, args = parse(argv)
     runner = Runner(world, options, args)
+    runner.learn = learn
     try:
         runner.start()
     except StageError as exc:

@@ -44,8 +44,9 @@ copy (:class:`TransparentLoader`).
 A library that ``ctypes`` is asked to load by the path of its original
 below a bundled root (torch preloads CUDA libraries it finds along
 ``sys.path``: ``nvidia/cuda_nvrtc/lib/libnvrtc.so.12``) is loaded from the
-copy when the copy holds it (:class:`Libraries`), as the dynamic loader
-finds the extensions' own libraries there through ``$ORIGIN``.
+copy when the copy holds it (:class:`mpistage.runtime.libraries.Libraries`),
+as the dynamic loader finds the extensions' own libraries there through
+``$ORIGIN``.
 
 ``pkgutil.iter_modules`` lists bundled roots from their listings, and
 ``pkg_resources`` builds its working set from the staged copies. After a
@@ -58,6 +59,8 @@ import os as _os
 import sys as _sys
 
 from mpistage.runtime import finders as _finders
+from mpistage.runtime import libraries as _libraries
+from mpistage.runtime import listings as _listings
 
 CHILD_PLAN = ".mpistage-plan.json"
 CHILD_ENV = "MPISTAGE_CHILD"
@@ -123,7 +126,7 @@ class StagedFinder(_finders.ServingFinder):
             return None
         copy = self.copy(folder)
         if copy not in self.listed:
-            self.listed[copy] = _finders.local_listing(copy)
+            self.listed[copy] = _listings.local_listing(copy)
         return self.listed[copy]
 
     def copy(self, path):
@@ -183,7 +186,7 @@ class StagedFinder(_finders.ServingFinder):
         folder = _os.path.join(self.path, name)
         if not _os.path.isdir(folder):
             return False
-        return any(_finders.module_name(e) == "__init__" for e in _os.listdir(folder))
+        return any(_listings.module_name(e) == "__init__" for e in _os.listdir(folder))
 
     def invalidate_caches(self):
         """Drop the cached listings, the copy's and the regular finder's."""
@@ -355,54 +358,6 @@ def wrap_meta_finders(finders):
     return wrapped
 
 
-class Libraries:
-    """Loads what ``ctypes`` is asked for by an original's path from the copy.
-
-    ``ctypes.CDLL`` opens a library through ``ctypes._dlopen``; while the
-    bundle is active, that is wrapped: a path below a bundled root whose
-    copy holds the file is opened in the copy (a stat of the node-local
-    copy, no look at the original). Names without a ``/``, paths elsewhere
-    and files the bundle lacks go to the loader as they are. ``ctypes``
-    is not imported for this: it is wrapped when the program imports it.
-    """
-
-    def __init__(self, roots):
-        self.roots = [(r.path + _os.sep, r.staged) for r in roots.values() if r.staged]
-        self.prefixes = tuple(prefix for prefix, _ in self.roots)
-        self.module = self.real = self.wrapper = None
-
-    def copy(self, name):
-        """Return where the library *name* is in the copy, else *name*."""
-        if not isinstance(name, str) or not name.startswith(_os.sep):
-            return name
-        path = _os.path.normpath(name)
-        if not path.startswith(self.prefixes):
-            return name
-        for prefix, staged in self.roots:
-            if path.startswith(prefix):
-                copy = _os.path.join(staged, path[len(prefix) :])
-                return copy if _os.path.isfile(copy) else name
-        return name
-
-    def install(self, ctypes):
-        """Wrap ``ctypes._dlopen`` of the module *ctypes* (once)."""
-        real = getattr(ctypes, "_dlopen", None)
-        if self.real is not None or real is None:
-            return
-        self.module, self.real = ctypes, real
-
-        def dlopen(name, *args, **kwargs):
-            return real(self.copy(name), *args, **kwargs)
-
-        ctypes._dlopen = self.wrapper = dlopen
-
-    def uninstall(self):
-        """Put ``ctypes._dlopen`` back, if it is still ours."""
-        if self.real is not None and self.module._dlopen is self.wrapper:
-            self.module._dlopen = self.real
-        self.module = self.real = None
-
-
 # -- activation and its end ----------------------------------------------------------
 
 
@@ -475,7 +430,7 @@ def activate(staged, children=True):
     finders, partial = finders_of(roots)
     hook = StagedHook(finders, partial)
     _sys.path_hooks.insert(0, hook)
-    libraries = Libraries(roots)
+    libraries = _libraries.Libraries(roots)
     meta = _finders.stand_in(lambda base: MetadataFinder(base, roots, libraries))
     wrapped = wrap_meta_finders(finders)
     inside = tuple(root + _os.sep for root in finders)

@@ -17,6 +17,9 @@ they need) is
 
 Each is named by its original path, so the ranks of all nodes agree; rank
 0 looks up the sizes of the originals, once each.
+
+While a bundle is active, :class:`Libraries` loads from the copy what
+``ctypes`` is asked for by an original's path.
 """
 
 import os as _os
@@ -163,3 +166,51 @@ def render(found):
 def megabytes(size):
     """Return *size* in bytes as ``12.3 MB``."""
     return f"{size / 1e6:.1f} MB"
+
+
+class Libraries:
+    """Loads what ``ctypes`` is asked for by an original's path from the copy.
+
+    ``ctypes.CDLL`` opens a library through ``ctypes._dlopen``; while the
+    bundle is active, that is wrapped: a path below a bundled root whose
+    copy holds the file is opened in the copy (a stat of the node-local
+    copy, no look at the original). Names without a ``/``, paths elsewhere
+    and files the bundle lacks go to the loader as they are. ``ctypes``
+    is not imported for this: it is wrapped when the program imports it.
+    """
+
+    def __init__(self, roots):
+        self.roots = [(r.path + _os.sep, r.staged) for r in roots.values() if r.staged]
+        self.prefixes = tuple(prefix for prefix, _ in self.roots)
+        self.module = self.real = self.wrapper = None
+
+    def copy(self, name):
+        """Return where the library *name* is in the copy, else *name*."""
+        if not isinstance(name, str) or not name.startswith(_os.sep):
+            return name
+        path = _os.path.normpath(name)
+        if not path.startswith(self.prefixes):
+            return name
+        for prefix, staged in self.roots:
+            if path.startswith(prefix):
+                copy = _os.path.join(staged, path[len(prefix) :])
+                return copy if _os.path.isfile(copy) else name
+        return name
+
+    def install(self, ctypes):
+        """Wrap ``ctypes._dlopen`` of the module *ctypes* (once)."""
+        real = getattr(ctypes, "_dlopen", None)
+        if self.real is not None or real is None:
+            return
+        self.module, self.real = ctypes, real
+
+        def dlopen(name, *args, **kwargs):
+            return real(self.copy(name), *args, **kwargs)
+
+        ctypes._dlopen = self.wrapper = dlopen
+
+    def uninstall(self):
+        """Put ``ctypes._dlopen`` back, if it is still ours."""
+        if self.real is not None and self.module._dlopen is self.wrapper:
+            self.module._dlopen = self.real
+        self.module = self.real = None

@@ -27,9 +27,11 @@ original: correct, only slower.
 """
 
 import os as _os
+from importlib.machinery import BYTECODE_SUFFIXES
 
 from mpistage.runtime import finders as _finders
-from mpistage.runtime.finders import Unknown, entry_kind, entry_name
+from mpistage.runtime.finders import Unknown
+from mpistage.runtime.listings import entry_kind, entry_name
 
 CURRENT = [None]  # the live session of this process, for LivePath
 _MADE = {}  # classes made on first use: pathlib and importlib.resources load late
@@ -139,7 +141,7 @@ class LiveSourceLoader(_finders.CopyLoader):
         try:
             return super().get_data(path)
         except FileNotFoundError:
-            if path.endswith(tuple(_finders._BYTECODE_SUFFIXES)):
+            if path.endswith(tuple(BYTECODE_SUFFIXES)):
                 raise
         if self.live.fetch(path):
             return super().get_data(path)

@@ -39,7 +39,7 @@ entries of a listing are symlinks (from the entry's type, no stat).
 Items are ``("d", dir, entries, version)`` and ``("f", path, data, mode,
 mtime_ns, needs)``; ``entries`` is ``None`` (no such directory), ``False``
 (not a directory) or the sorted entries, directories ending in ``/``
-(others marked, see :func:`~mpistage.runtime.finders.listed_entry`);
+(others marked, see :func:`~mpistage.runtime.listings.listed_entry`);
 ``data`` is ``None`` when the file cannot be read; ``needs`` names the
 ``$ORIGIN`` libraries an extension cannot be loaded from the copy without.
 """
@@ -88,7 +88,7 @@ class Reader:
 
     def module(self, folder, name, out):
         """Add the files plain python would read to import *name* from *folder*."""
-        from mpistage.runtime.finders import locate
+        from mpistage.runtime.listings import locate
 
         found = locate(lambda path: self.listing(path, out), folder, name)
         if found is None:
@@ -210,7 +210,7 @@ class Reader:
         """Read the entries of *path*: ``None`` if absent, ``False`` if no dir."""
         import errno
 
-        from mpistage.runtime.finders import listed_entry
+        from mpistage.runtime.listings import listed_entry
 
         try:
             fd = self.dir_fd(path, LIST_FLAGS)
@@ -245,7 +245,7 @@ class Reader:
         Listings are in the one form of :func:`~mpistage.runtime.roots.listing`
         (directories end in ``/``; the marks of other entries taken off).
         """
-        from mpistage.runtime.finders import plain
+        from mpistage.runtime.listings import plain
 
         listings = {path: plain(known[0]) for path, known in self.listings.items()}
         return listings, self.stats, self.links, self.digests

@@ -128,7 +128,7 @@ def uid_dir(candidate):
 
 
 def job_dirs(candidate):
-    """Return the job directories (staging roots) below *candidate*."""
+    """Return the job directories (node places) below *candidate*."""
     return sorted(Path(candidate).glob("mpistage-*/job-*"))
 
 

@@ -148,3 +148,22 @@ def test_benchmarks_keep_current_tables_and_put_history_apart():
     assert "## Earlier figures" not in current and "## Earlier figures" in history
     assert "benchmarks-history.md" in current
     assert "## 1. The realistic layout" in current
+
+
+RETIRED = re.compile(r"staging root|StagingDir|(?<![\w&])#\d{2,3}\b|\bissue \d{2,3}\b")
+
+
+def test_one_word_per_idea_and_no_issue_numbers():
+    """CONTRIBUTING.md's words: the node's place, never a "staging root" or a
+    ``StagingDir``; and code and docs name no issue numbers (the history of
+    the figures aside)."""
+    found = []
+    for path in sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md")]):
+        if path.name == "benchmarks-history.md":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if RETIRED.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    for script in (ROOT / "bin" / "mpistage", ROOT / "bin" / "mpistage-env"):
+        found += [f"{script.name}: {m}" for m in RETIRED.findall(script.read_text())]
+    assert found == [], "\n".join(found)

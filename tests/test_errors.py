@@ -93,7 +93,7 @@ def test_bad_bundle(tmp_path, stage_env, stage_dir, tiny, kind):
     result, status = mpirun_status(RANKS, args, stage_env, cwd=tmp_path)
     expect_failure(result, status, cause)
     assert "target ran" not in result.stdout
-    assert job_dirs(stage_dir) == [], "a partial staging root was left behind"
+    assert job_dirs(stage_dir) == [], "a partial node's place was left behind"
 
 
 def test_rewritten_manifest_helper_makes_a_valid_bundle(tmp_path, tiny):
@@ -103,7 +103,7 @@ def test_rewritten_manifest_helper_makes_a_valid_bundle(tmp_path, tiny):
     assert copy.read_bytes() == tiny["bundle"].read_bytes()
 
 
-def test_no_usable_staging_root(tmp_path, stage_env, tiny):
+def test_no_usable_place(tmp_path, stage_env, tiny):
     missing = tmp_path / "does-not-exist"
     regular = tmp_path / "a-file"
     regular.write_text("not a directory\n")
@@ -114,7 +114,7 @@ def test_no_usable_staging_root(tmp_path, stage_env, tiny):
     )
     args = ["-m", "mpistage", "--bundle", tiny["bundle"], "-c", "print('target ran')"]
     result, status = mpirun_status(RANKS, args, stage_env, cwd=tmp_path)
-    error = expect_failure(result, status, "no usable staging root")
+    error = expect_failure(result, status, "no usable place for the node's copy")
     assert str(missing) in error and str(regular) in error
     assert not missing.exists()
     assert regular.read_text() == "not a directory\n"

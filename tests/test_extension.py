@@ -2,7 +2,7 @@
 
 The layout is auditwheel's: ``extpkg/_ext<EXT_SUFFIX>`` needs
 ``libextutil.so``, found through ``$ORIGIN/../extpkg.libs``. Staged, the
-extension and the library must both load from the node's staging root.
+extension and the library must both load from the node's node's place.
 """
 
 import os

@@ -89,7 +89,7 @@ def test_numpy_staged_on_every_rank(tmp_path, stage_env, stage_dir, numpy_bundle
         # numpy's BLAS, linked through $ORIGIN/../numpy.libs, came staged too
         assert res["blas"] and all(b.startswith(root + os.sep) for b in res["blas"])
         assert res["argv"] == [str(target), "x", "--y"]
-    assert job_dirs(stage_dir) == [], "staging roots were not removed at exit"
+    assert job_dirs(stage_dir) == [], "node places were not removed at exit"
 
 
 def strace_problem():

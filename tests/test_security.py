@@ -66,7 +66,7 @@ def outside(tmp_path):
     return path
 
 
-# -- 1. nothing outside the staging root ---------------------------------------
+# -- 1. nothing outside the node's place ---------------------------------------
 
 LINK_ESCAPES = {
     "file through a link": lambda out: [
@@ -448,7 +448,8 @@ def test_full_candidate_falls_back_to_the_next(tmp_path, stage_env, small_tmpfs)
 
     env["MPISTAGE_STAGE_DIR"] = str(small_tmpfs)
     result, status = run_bundle(bundle, env)
-    one_line_everywhere(result, status, words=["no usable staging root", "space"])
+    words = ["no usable place for the node's copy", "space"]
+    one_line_everywhere(result, status, words=words)
 
 
 def test_full_stage_dir_is_one_line_naming_it(tmp_path, stage_env, small_tmpfs):

@@ -319,7 +319,7 @@ def dead_pid():
 
 
 def fake_root(stage_dir, name, pid, keep=False):
-    """Make a staging root as a leader of pid *pid* on this host would."""
+    """Make a node's place as a leader of pid *pid* on this host would."""
     root = uid_dir(stage_dir) / name
     (root / "r0").mkdir(parents=True, mode=0o700)
     uid_dir(stage_dir).chmod(0o700)
@@ -408,14 +408,14 @@ def owner_text(root):
 
 
 def wait_for_owner(stage_dir, count, timeout=QUICK):
-    """Wait until *count* staging roots have their owner record; return them."""
+    """Wait until *count* node places have their owner record; return them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [p for p in job_dirs(stage_dir) if "pid=" in owner_text(p)]
         if len(found) >= count:
             return found
         time.sleep(0.002)
-    raise AssertionError(f"no staging root appeared in {stage_dir}")
+    raise AssertionError(f"no node's place appeared in {stage_dir}")
 
 
 def settled(stage_dir, timeout=5.0):

@@ -26,7 +26,7 @@ def run_tiny(stage_env, tiny, ranks=2, nodes="2", extra=()):
 
 
 def owner_of(root):
-    """The owner record of a staging root (``key=value`` lines)."""
+    """The owner record of a node's place (``key=value`` lines)."""
     lines = (root / ".mpistage-owner").read_text().splitlines()
     return dict(line.partition("=")[::2] for line in lines)
 
@@ -193,7 +193,8 @@ def test_candidate_order(monkeypatch, tmp_path):
     monkeypatch.setenv("MPISTAGE_STAGE_FALLBACK", "no")
     monkeypatch.setenv("MPISTAGE_STAGE_DIR", "")
     assert stage.candidates() == []
-    with pytest.raises(StageError, match="no usable staging root: none given"):
+    refused = "no usable place for the node's copy: none given"
+    with pytest.raises(StageError, match=refused):
         stage.make_root("job", 0, footprint(1))
 
 
@@ -226,6 +227,6 @@ def test_candidates_without_room_are_refused(monkeypatch, tmp_path):
     with pytest.raises(StageError) as info:
         stage.make_root("job", 0, footprint(need))
     message = str(info.value)
-    assert message.startswith("no usable staging root")
+    assert message.startswith("no usable place for the node's copy")
     assert str(first) in message and str(second) in message and "needed" in message
     assert not uid_dir(first).exists() and not uid_dir(second).exists()

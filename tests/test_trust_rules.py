@@ -3,7 +3,7 @@
 Another user is played by root with ``chown`` to :data:`OTHER`; those tests
 are skipped without root. The classes:
 
-1. the ``--auto`` cache is a private place, like a staging root, and what
+1. the ``--auto`` cache is a private place, like a node's place, and what
    is replayed was written by this user; no process mpistage starts for
    its own work imports from the start directory;
 2. ``mpistage run``'s clean step removes only what its run made;

@@ -195,7 +195,7 @@ SETTINGS = _settings(
         Whole(1, EMULATED_MAX),
         None,
         "split the ranks into N emulated nodes (contiguous rank blocks), each "
-        "with its own staging root: for tests and benchmarks on one machine "
+        "with its own place: for tests and benchmarks on one machine "
         "(at most the number of ranks)",
         "N",
     ),

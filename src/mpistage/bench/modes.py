@@ -363,7 +363,7 @@ class EnvLaunch(StagedEnv):
         return [testbed.mpiexec, "-n", str(ranks), *script]
 
     def env(self, testbed, nodes):
-        """The staging roots go to node-local storage; no ``PYTHONPATH``."""
+        """The node places go to node-local storage; no ``PYTHONPATH``."""
         env = Mode.env(self, testbed, nodes)
         env.pop("PYTHONPATH", None)
         env["MPISTAGE_STAGE_DIR"] = self.local

@@ -1,4 +1,4 @@
-"""``mpistage clean [DIR] [--dry-run]``: remove staging roots left behind.
+"""``mpistage clean [DIR] [--dry-run]``: remove node places left behind.
 
 A job whose nodes crashed, or that ran with ``--keep``, leaves its staging
 roots. Each root records the host and pid of the leader that made it; a
@@ -123,7 +123,7 @@ def clean(folder=None, dry_run=False):
 
 
 def clean_roots(dry_run=False):
-    """Remove this user's stale staging roots on this host; return their paths."""
+    """Remove this user's stale places on this host; return their paths."""
     from mpistage.node.cleanup import user_dirs
     from mpistage.node.place import candidates, open_safe
     from mpistage.runtime.envreap import reap
@@ -196,7 +196,7 @@ def parser():
 
     p = argument_parser(
         prog="mpistage clean",
-        description="Remove this user's staging roots of jobs that have ended, "
+        description="Remove this user's node places of jobs that have ended, "
         "or, given DIR, an environment staged there (run it once per node).",
     )
     p.add_argument("dir", nargs="?", help="a directory `mpistage stage` filled")

@@ -450,7 +450,7 @@ def default_dir():
 
     The pid of this ``mpistage run`` tells two runs of one job apart: each
     stages and removes its own copy, and neither waits for the other. The
-    random part makes the name private, as a staging root's fallback is
+    random part makes the name private, as the fallback of a node's place is
     (:func:`mpistage.node.place.private_dir`): another user cannot make
     it first and so stop the job.
     """

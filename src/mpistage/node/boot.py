@@ -36,7 +36,7 @@ follower refuses a place that is not this user's own, 0700, no symlink). A
 follower checks that the mark names its own launch and that it runs the
 same interpreter with the same paths; it uses nothing else.
 
-The place is guarded like a staging root (:mod:`~mpistage.node.cleanup`:
+The place is guarded like a node's place (:mod:`~mpistage.node.cleanup`:
 removed on every exit path by the first rank, by its watchdog when it is
 killed, and reaped by a later job when all that failed), and the first rank
 reaps its user's dead places before making its own.
@@ -302,13 +302,13 @@ class Meeting:
     def make(self):
         """Make the place, guard it and write its owner record (the first rank)."""
         from mpistage.node.cleanup import guard
-        from mpistage.node.place import DIR_FLAGS, StagingDir, write_owner
+        from mpistage.node.place import DIR_FLAGS, NodePlace, write_owner
 
         self.made = False
         _os.mkdir(self.name, 0o700, dir_fd=self.user_fd)
         self.made = True
         self.fd = _os.open(self.name, DIR_FLAGS, dir_fd=self.user_fd)
-        self.root = StagingDir(self.path, self.fd, _os.dup(self.user_fd))
+        self.root = NodePlace(self.path, self.fd, _os.dup(self.user_fd))
         guard(self.root)
         write_owner(self.root, self.owner_job(), kind="boot")
 

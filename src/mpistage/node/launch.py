@@ -1,7 +1,7 @@
 """Which launch, which rank, which node: what launchers tell a process before MPI.
 
 The node boot names its meeting place from these facts before MPI exists
-(:func:`place_name`); the runner's topology, the staging roots' names and
+(:func:`place_name`); the runner's topology, the node places' names and
 ``mpistage run`` read the same variables after. This module is their one
 home: the launchers' variable names, the launcher processes that start a
 node's ranks, and the emulated nodes of ``MPISTAGE_EMULATE_NODES``.

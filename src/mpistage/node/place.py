@@ -1,6 +1,6 @@
 """Where a node's copy lives: safe staging directories, per user and per job.
 
-A staging root is ``<candidate>/mpistage-<uid>/job-<job>.n<node>``: per
+A node's place is ``<candidate>/mpistage-<uid>/job-<job>.n<node>``: per
 user, per job and per (emulated) node, mode 0700. The candidates are the
 entries of ``MPISTAGE_STAGE_DIR`` (``os.pathsep``-separated), then /dev/shm,
 ``$TMPDIR`` and /tmp unless ``MPISTAGE_STAGE_FALLBACK=no``. ``mpistage stage
@@ -55,7 +55,7 @@ def expand(candidate):
     return candidate
 
 
-class StagingDir:
+class NodePlace:
     """A staging directory: its resolved path, and descriptors of it and its parent.
 
     *holder* is ``(descriptor, name)`` of a private per-user directory made
@@ -210,17 +210,17 @@ def room(fd, path, footprint):
         )
 
 
-# -- per-job staging roots ------------------------------------------------------
+# -- per-job places ------------------------------------------------------
 
 
 def make_root(job, node, footprint, skip=(), reap=None):
-    """Create this node's staging root in the first usable candidate.
+    """Create this node's place in the first usable candidate.
 
     Candidates in *skip* (resolved paths) are passed over; *reap*, if given,
     is first called with each candidate's descriptor (to remove this user's
     roots of dead jobs there, :func:`mpistage.node.cleanup.reap_dead_roots`).
     Returns a
-    :class:`StagingDir`, without its owner record (:func:`write_owner`). Raises
+    :class:`NodePlace`, without its owner record (:func:`write_owner`). Raises
     :class:`StageError` naming every candidate and why it was refused when
     none can be used.
     """
@@ -230,7 +230,8 @@ def make_root(job, node, footprint, skip=(), reap=None):
             return root_in(candidate, job, node, footprint, skip, reap)
         except (StageError, OSError) as exc:
             refused.append(refusal(candidate, exc))
-    raise StageError("no usable staging root: " + "; ".join(refused or ["none given"]))
+    why = "; ".join(refused or ["none given"])
+    raise StageError(f"no usable place for the node's copy: {why}")
 
 
 def refusal(candidate, exc):
@@ -241,7 +242,7 @@ def refusal(candidate, exc):
 
 
 def root_in(candidate, job, node, footprint, skip, reap=None):
-    """Make the job's root below *candidate*; return its :class:`StagingDir`."""
+    """Make the job's root below *candidate*; return its :class:`NodePlace`."""
     real, fd = open_safe(candidate)
     try:
         if real in skip:
@@ -260,9 +261,9 @@ def root_in(candidate, job, node, footprint, skip, reap=None):
         _os.mkdir(name, 0o700, dir_fd=user_fd)
         root_fd = _os.open(name, DIR_FLAGS, dir_fd=user_fd)
     except BaseException:
-        StagingDir(None, None, user_fd, holder).close()
+        NodePlace(None, None, user_fd, holder).close()
         raise
-    return StagingDir(f"{real}/{user}/{name}", root_fd, user_fd, holder)
+    return NodePlace(f"{real}/{user}/{name}", root_fd, user_fd, holder)
 
 
 def user_dir(fd, real):
@@ -368,7 +369,7 @@ def target_dir(path):
     except BaseException:
         _os.close(parent_fd)
         raise
-    found = StagingDir(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
+    found = NodePlace(f"{real_parent.rstrip('/')}/{name}", fd, parent_fd)
     found.made = made
     return found
 

@@ -97,7 +97,7 @@ def open_cache(folder, create=False):
     """Open the cache directory *folder* as a private place; return its descriptor.
 
     Its bundles are code this user runs, so it follows the rule of a
-    staging root (:func:`mpistage.node.place.open_safe`): every
+    node's place (:func:`mpistage.node.place.open_safe`): every
     directory on the way, as given and as resolved, is root's or ours and
     not writable by others unless sticky, a symlink on the way is ours or
     root's; the cache itself is ours, not writable by others, and made

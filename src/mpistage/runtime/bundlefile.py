@@ -15,7 +15,7 @@ wrong before any rank acts on it, so extraction may rely on its shape:
 - a value nested deeper than :data:`MAX_NESTING` (it could not be sent);
 - a path that is absolute, climbs with ``..``, is deeper than
   :data:`MAX_DEPTH` components, or starts with :data:`RESERVED` (the names
-  of mpistage's own files in a staging root);
+  of mpistage's own files in a node's place);
 - a ``dest`` in a bundle whose kind does not place roots (only environment
   bundles do);
 - data outside the data section, or ranges that overlap or are out of
@@ -39,7 +39,7 @@ HEADER_SIZE = 64
 SUFFIX = ".mpistage"
 KINDS = ("packages", "env")
 MEMBER_TYPES = ("file", "dir", "link")
-MAX_DEPTH = 128  # path components of a member below the staging root
+MAX_DEPTH = 128  # path components of a member below the node's place
 MAX_NESTING = 16  # levels of lists and objects in the manifest
 MAX_HOPS = 40  # links followed while resolving one, as Linux's limit
 RESERVED = ".mpistage"  # top-level names of mpistage's own files
@@ -276,7 +276,7 @@ def whole_numbers(value):
 
 
 def base_of(root, index):
-    """Return the components of root *index*'s directory below the staging root."""
+    """Return the components of root *index*'s directory below the node's place."""
     dest = root.get("dest", f"r{index}")
     return dest.split("/") if dest else []
 

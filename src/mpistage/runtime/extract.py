@@ -21,7 +21,7 @@ MAX_OPEN = 256
 
 
 class NoSpace(StageError):
-    """The staging root's file system filled up while writing."""
+    """The node's place's file system filled up while writing."""
 
 
 class Footprint:

@@ -10,7 +10,7 @@ of its entries, directories ending in ``/``. This module alone decides:
 - which directories a bundle holds only in part (:func:`partial_dirs`);
 - what of a directory's entries a bundle depends on, bytecode left out
   (:func:`entries_digest`);
-- where each root goes below a staging root (:func:`destinations`).
+- where each root goes below a node's place (:func:`destinations`).
 """
 
 import os as _os
@@ -116,7 +116,7 @@ def in_stdlib(path):
 
 
 def destinations(manifest):
-    """Return, per bundled root, its directory below the staging root.
+    """Return, per bundled root, its directory below the node's place.
 
     Runner bundles keep root *i* in ``r<i>``; environment bundles say where
     each root goes (``dest``), so that several roots merge into one prefix.

@@ -32,7 +32,7 @@ options:
                   (distributions, directories, files no distribution owns),
                   files (every file's size and mtime) or strict (checksums)
   --trust         skip the staleness check
-  --keep          keep the staging roots after the job
+  --keep          keep the node places after the job
   --report        print a summary of the job on rank 0 (stderr)
   --version       print the version and exit
   -h, --help      show this help and exit

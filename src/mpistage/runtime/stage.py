@@ -19,7 +19,7 @@ class Staged:
 
     def __init__(self, path, manifest, nbytes, root=None):
         self.path, self.manifest, self.nbytes = path, manifest, nbytes
-        self.root = root  # the place.StagingDir, on the node's leader only
+        self.root = root  # the place.NodePlace, on the node's leader only
 
 
 class Place:
@@ -33,7 +33,7 @@ class Place:
     """
 
     def make(self, buf, footprint):
-        """Return a :class:`~mpistage.node.place.StagingDir` for the bundle *buf*."""
+        """Return a :class:`~mpistage.node.place.NodePlace` for the bundle *buf*."""
         raise NotImplementedError
 
     def retry(self, root):
@@ -61,7 +61,7 @@ class JobPlace(Place):
         self.tag, self.node, self.keep, self.full = tag, node, keep, []
 
     def make(self, buf, footprint):
-        """Create, guard and return this node's staging root."""
+        """Create, guard and return this node's place."""
         from mpistage.node.cleanup import guard
         from mpistage.node.place import make_root, write_owner
 
@@ -183,7 +183,7 @@ def stage(topo, path, place, kind="packages", check=None):
 
 
 def reap(candidate_fd):
-    """Remove this user's leftovers of ended jobs in a candidate: staging roots,
+    """Remove this user's leftovers of ended jobs in a candidate: node places,
     and environment copies (``mpistage-env``, ``mpistage run``) that a job
     killed at its time limit left, gigabytes each at GPU size.
     """

@@ -158,7 +158,7 @@ def first_import(meeting, start):
     from mpistage import load_local
 
     state.role, state.path, state.root = "first", meeting.path, meeting.root
-    load_local("mpistage.node", ("imports", "elf", "copy"))
+    load_local("mpistage.node", ("imports", "elf", "originals", "copy"))
     from mpistage.node.copy import import_and_copy
 
     MPI = import_and_copy(meeting)

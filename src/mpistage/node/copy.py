@@ -38,8 +38,7 @@ import sys as _sys
 from _frozen_importlib_external import ExtensionFileLoader
 from _frozen_importlib_external import spec_from_file_location as spec_at
 
-from mpistage import read_fd
-from mpistage.node.elf import elf_dynamic, mapped_names, origin_dirs, shared_object
+from mpistage.node.elf import elf_dynamic, mapped_names, origin_dirs
 from mpistage.node.imports import (
     FILES,
     RECORD,
@@ -51,9 +50,9 @@ from mpistage.node.imports import (
     source_kind,
     via_path,
 )
+from mpistage.node.originals import Originals
 from mpistage.node.place import write_new
 
-PLUGIN_FILES = 256  # files a plugin directory may hold to be copied
 # The dynamic loader's own directories: part of the node's image, not copied.
 SYSTEM_DIRS = ("/lib/", "/lib64/", "/usr/lib/", "/usr/lib64/")
 PLUGIN_DEPTH = 3  # directory levels of a plugin directory
@@ -350,7 +349,8 @@ class Copier:
 
     def __init__(self, fd, place):
         self.fd, self.place = fd, place
-        self.dirs, self.listings = {}, {}
+        self.originals = Originals()
+        self.listing, self.read = self.originals.listing, self.originals.read
         self.made = {}  # a directory of the copy, relative to the place -> its fd
         self.taken = {}  # original path -> its copy, relative to the place
         self.sonames, self.plugins, self.declined = set(), set(), []
@@ -475,84 +475,21 @@ class Copier:
         self.plugins.add(folder)
         for name, is_dir in sorted((self.listing(folder) or {}).items()):
             if is_dir and name != "__pycache__":
-                files = self.plugin_files(f"{folder}/{name}", PLUGIN_DEPTH, [])
+                files = self.originals.plugin_files(f"{folder}/{name}", PLUGIN_DEPTH)
                 for path in files or ():
                     if path not in self.taken and path not in plan:
                         plan[path] = self.read(path)
 
     def plan_package(self, folder, plan):
         """Add the files of the package directory *folder* to *plan*, or none."""
-        files = self.tree_files(folder, PACKAGE_DEPTH, [], PACKAGE_FILES)
+        files = self.originals.tree_files(folder, PACKAGE_DEPTH, PACKAGE_FILES)
         if files is None:
             raise Declined(f"its package's directory {folder!r} is too big to copy")
         for path in files:
             if path not in self.taken and path not in plan:
                 plan[path] = self.read(path)
 
-    def tree_files(self, folder, depth, found, most):
-        """Return the files below *folder* but ``__pycache__``; None past the bounds."""
-        entries = self.listing(folder)
-        if entries is None or depth == 0:
-            return None
-        for name, is_dir in sorted(entries.items()):
-            path = f"{folder}/{name}"
-            if name == "__pycache__":
-                continue
-            if is_dir:
-                if self.tree_files(path, depth - 1, found, most) is None:
-                    return None
-            else:
-                found.append(path)
-            if len(found) > most:
-                return None
-        return found
-
-    def plugin_files(self, folder, depth, found):
-        """Return the files of a directory of shared objects only, else None."""
-        entries = self.listing(folder)
-        if entries is None or depth == 0:
-            return None
-        for name, is_dir in sorted(entries.items()):
-            path = f"{folder}/{name}"
-            if is_dir:
-                if self.plugin_files(path, depth - 1, found) is None:
-                    return None
-            elif not shared_object(name):
-                return None
-            else:
-                found.append(path)
-            if len(found) > PLUGIN_FILES:
-                return None
-        return found
-
-    # -- reading originals, writing copies ---------------------------------------
-
-    def dir_fd(self, folder):
-        """Return a descriptor of the original directory *folder* (opened once)."""
-        if folder not in self.dirs:
-            flags = _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC
-            self.dirs[folder] = _os.open(folder, flags)
-        return self.dirs[folder]
-
-    def listing(self, folder):
-        """Return {name: is directory} of the original *folder* (None if missing)."""
-        if folder not in self.listings:
-            try:
-                with _os.scandir(self.dir_fd(folder)) as entries:
-                    found = {e.name: e.is_dir() for e in entries}
-            except OSError:
-                found = None
-            self.listings[folder] = found
-        return self.listings[folder]
-
-    def read(self, path):
-        """Return the bytes of the original file *path*."""
-        folder, name = _os.path.split(path)
-        fd = _os.open(name, _os.O_RDONLY | _os.O_CLOEXEC, dir_fd=self.dir_fd(folder))
-        try:
-            return read_fd(fd, _os.fstat(fd).st_size)
-        finally:
-            _os.close(fd)
+    # -- writing copies ------------------------------------------------------------
 
     def put(self, path, data):
         """Write the copy of *path* (its original absolute path below ``files/``)."""
@@ -580,9 +517,10 @@ class Copier:
 
     def close(self):
         """Close the descriptors of original directories and of the copy's."""
-        for fd in [*self.dirs.values(), *self.made.values()]:
+        self.originals.close()
+        for fd in self.made.values():
             _os.close(fd)
-        self.dirs, self.made = {}, {}
+        self.made = {}
 
 
 def enter(fd, name):

@@ -289,19 +289,18 @@ def get(name, environ=None):
     return SETTINGS[name].get(environ)
 
 
-def check(ranks=None):
+def check(ranks=None, emulated=None):
     """Read every setting once: the first refusal is raised, as one line.
 
     The runner and the stager call it on every rank before anything else,
     so that a bad value ends the job at start-up rather than where it is
     first read (inside the program's own import, or in the node boot, which
     turns itself off on any doubt). Given the job's number of *ranks*, the
-    emulated nodes are checked against it first: their refusal names it.
+    emulated nodes are checked against it first, by *emulated*
+    (:func:`mpistage.node.launch.emulated_nodes`): their refusal names it.
     """
-    if ranks is not None:
-        from mpistage.node.launch import emulated_nodes
-
-        emulated_nodes(ranks)
+    if ranks is not None and emulated is not None:
+        emulated(ranks)
     for item in SETTINGS.values():
         item.get()
 

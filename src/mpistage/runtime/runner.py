@@ -134,11 +134,12 @@ class Runner:
     def start(self):
         """Check the target, find the nodes, stage (or, with ``--auto``, record)."""
         from mpistage.node.cleanup import at_finalize
+        from mpistage.node.launch import emulated_nodes
         from mpistage.runtime.collective import attempt
         from mpistage.runtime.topology import discover
 
         # Every rank reads its own environment: a bad value ends the job here.
-        attempt(self.world, settings.check, self.world.size)
+        attempt(self.world, settings.check, self.world.size, emulated_nodes)
         attempt(self.world, self.check_target)
         begun = _time.perf_counter()
         topology = attempt(self.world, discover, self.world)

@@ -383,11 +383,12 @@ def usage_error(message):
 def main(world, argv):
     """Run ``mpistage stage``; return the exit status."""
     from mpistage import settings
+    from mpistage.node.launch import emulated_nodes
     from mpistage.runtime.collective import attempt
 
     try:
         bundle, template, print_env, token, trust = parse(argv)
-        attempt(world, settings.check, world.size)  # every rank: its own settings
+        attempt(world, settings.check, world.size, emulated_nodes)  # every rank
         folder, manifest, reused = stage_env(world, bundle, template, token, trust)
     except StageError as exc:
         if world.rank == 0:

@@ -1,6 +1,6 @@
 """Size in the suite: a GPU-shaped stack in every mode, on two MPIs.
 
-The stack is ``fakegpu`` (tests/gputools.py): a C extension linked to three
+The stack is ``fakegpu`` (tests/gpustack.py): a C extension linked to three
 big libraries that live in sibling ``nvidia/fakecuN/lib`` distributions, as
 CUDA wheels lay them out. Each mode runs it at 2 and 4 ranks on 2 emulated
 nodes, on the MPICH wheel (``.venv``) and on Debian's Open MPI
@@ -21,7 +21,7 @@ more than the bundle once (its peak RSS below 1.5 times the stack's size
 plus a constant).
 
 The stack is ``MPISTAGE_GPUSIZE`` bytes (default 120MB, built once and
-cached, see gputools); ``MPISTAGE_GPUSIZE=2.5GB`` makes a run past what one
+cached, see gpustack); ``MPISTAGE_GPUSIZE=2.5GB`` makes a run past what one
 MPI message can hold (2^31-1 bytes), for the broadcast's chunks; that run
 takes several minutes per MPI and several GB of disk. Marker ``gpusize``;
 ``pytest -m "not gpusize"`` leaves the tier out.
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import pytest
 
-import gputools
 from launchertools import source_missing, source_venv
-from stagetools import MPIEXEC, PYTHON, clean_environ, run
+from mpistage.bench.generate import gpustack
+from stagetools import MPIEXEC, PYTHON, clean_environ, mpistage, run
 
 pytestmark = [pytest.mark.gpusize, pytest.mark.usefixtures("reap_mpich_shm")]
 
 ROOT = Path(__file__).resolve().parent.parent
 MPISTAGE_ENV = ROOT / "bin" / "mpistage-env"
-SIZE = gputools.parse_size(os.environ.get("MPISTAGE_GPUSIZE", "120MB"))
+SIZE = gpustack.parse_size(os.environ.get("MPISTAGE_GPUSIZE", "120MB"))
 NODES = 2
 RANK_COUNTS = (2, 4)
 # Per launch: generous, so that a hang fails and a 2.5 GB run does not.
@@ -113,7 +113,7 @@ def stack():
     if shutil.which("objcopy") is None:
         pytest.skip("no objcopy (apt-get install binutils)")
     try:
-        return gputools.stack(SIZE)
+        return gpustack.stack(SIZE)
     except RuntimeError as error:
         pytest.skip(f"cannot build the GPU-shaped stack: {error}")
 
@@ -198,15 +198,15 @@ def check(ranks, facts, stack, copies=None):
     assert [f["rank"] for f in facts] == list(range(ranks))
     for f in facts:
         assert f["sum"] == ranks and f["size"] == ranks, f
-        assert f["value"] == gputools.EXPECTED, f
-        assert sorted(f["maps"]) == sorted(gputools.NAMES), f
+        assert f["value"] == gpustack.EXPECTED, f
+        assert sorted(f["maps"]) == sorted(gpustack.NAMES), f
         for name, path in f["maps"].items():
             if copies is None:
                 assert below(path, stack), (f["rank"], name, path)
             else:
                 node = node_of(f["rank"], ranks)
                 assert on_node(path, copies, node), (f["rank"], name, path)
-    limit = 1.5 * gputools.size_of(stack) + RSS_CONSTANT
+    limit = 1.5 * gpustack.size_of(stack) + RSS_CONSTANT
     assert facts[0]["peak"] < limit, (facts[0]["peak"], limit)
 
 
@@ -250,7 +250,7 @@ def test_bundle_packed_by_name(flavour, stack, ranks):
     job = Job(flavour, f"bundle-{ranks}")
     facts, report = runner(flavour, job, ranks, stack, ["--bundle", path])
     check(ranks, facts, stack, job.stage)
-    assert report["bundle_bytes"] > gputools.size_of(stack), report
+    assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
 
 
@@ -260,7 +260,7 @@ def test_live_without_a_bundle(flavour, stack, ranks):
     facts, report = runner(flavour, job, ranks, stack, [])
     check(ranks, facts, stack, job.stage)
     assert report["live"]["mode"] == "live", report
-    assert report["live"]["read_bytes"] > gputools.size_of(stack) * 0.9, report
+    assert report["live"]["read_bytes"] > gpustack.size_of(stack) * 0.9, report
     no_copy_left(job)
 
 
@@ -276,7 +276,7 @@ def test_auto_twice(flavour, stack, ranks):
     facts, report = runner(flavour, job, ranks, stack, options)
     check(ranks, facts, stack, job.stage)
     assert report["auto"] == "replayed", report
-    assert report["bundle_bytes"] > gputools.size_of(stack), report
+    assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
 
 
@@ -293,7 +293,7 @@ def test_record_then_replay(flavour, stack, ranks):
     job = Job(flavour, f"record-{ranks}")
     facts, report = runner(flavour, job, ranks, stack, ["--bundle", path])
     check(ranks, facts, stack, job.stage)
-    assert report["bundle_bytes"] > gputools.size_of(stack), report
+    assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
 
 
@@ -314,7 +314,7 @@ def stack_venv(flavour, stack):
         theirs = next(flavour.bin.parent.glob("lib/python*/site-packages"))
         for entry in [theirs / "mpi4py", *theirs.glob("mpi4py-*.dist-info")]:
             shutil.copytree(entry, venv.site / entry.name, symlinks=True)
-    gputools.link_tree(stack, venv.site)
+    gpustack.link_tree(stack, venv.site)
     return venv
 
 
@@ -358,3 +358,98 @@ def test_env_with_mpistage_env(flavour, stack, ranks):
     command = [MPISTAGE_ENV, path, "--", "python", flavour.app]
     facts, _ = launch(flavour, job, ranks, command)
     check(ranks, facts, venv.site, job.stage)
+
+
+# -- a distributed program without MPI ----------------------------------------
+
+JAX_DISTS = ("jax", "jaxlib", "ml_dtypes", "opt_einsum")
+
+# jax's own coordinator and gloo, on CPU: the launcher only starts processes
+# and names each one's rank; nothing loads MPI.
+JAX_APP = """\
+import json, os, sys
+import jax
+rank = int(os.environ["PMI_RANK"])
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=os.environ["COORDINATOR"],
+                           num_processes=2, process_id=rank,
+                           initialization_timeout=120)
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+gathered = multihost_utils.process_allgather(jnp.array([rank + 1]))
+with open("/proc/self/maps") as f:
+    mpi = sorted({line.split()[-1] for line in f if "libmpi" in line})
+facts = {"rank": rank, "index": jax.process_index(), "count": jax.process_count(),
+         "gathered": [int(x) for x in gathered.ravel()], "jax": jax.__file__,
+         "executable": sys.executable, "mpi4py": "mpi4py" in sys.modules,
+         "libmpi": mpi}
+jax.distributed.shutdown()
+with open(os.path.join(os.environ["MPISTAGE_TEST_OUT"], f"{rank}.json"), "w") as f:
+    json.dump(facts, f)
+"""
+
+
+def dist_entries(names):
+    """The site-packages entries of the distributions *names* (no requirements)."""
+    from importlib import metadata
+
+    entries = set()
+    for name in names:
+        files = metadata.distribution(name).files or []
+        entries |= {f.parts[0] for f in files if f.parts[0] != ".."}
+    return sorted(entries - {"__pycache__"})
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jax_bundle(tmp_path_factory):
+    """A venv with jax and jaxlib (and numpy, mpi4py), packed once."""
+    pytest.importorskip("jax")
+    from envtools import build_venv
+
+    base = tmp_path_factory.mktemp("jaxenv")
+    venv = build_venv(base / "venv", dist_entries(JAX_DISTS))
+    path = base / "jax.mpistage"
+    result = mpistage(["pack", "--env", venv.prefix, "-q", "-o", path], clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+def test_jax_distributed_without_mpi(jax_bundle, tmp_path):
+    """``mpiexec -n 2 mpistage-env ENV -- python prog.py``: jax's own coordinator.
+
+    mpiexec only starts the processes; each finds its process id in
+    ``PMI_RANK``, runs the staged interpreter of its node, and never maps
+    an MPI library.
+    """
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec next to this Python nor on PATH")
+    (tmp_path / "prog.py").write_text(JAX_APP)
+    place, out = tmp_path / "stage", tmp_path / "out"
+    place.mkdir(mode=0o700)
+    out.mkdir()
+    env = clean_environ()
+    env.update(
+        MPISTAGE_STAGE_DIR=str(place),
+        MPISTAGE_STAGE_FALLBACK="no",
+        MPISTAGE_EMULATE_NODES="2",
+        MPISTAGE_TEST_OUT=str(out),
+        COORDINATOR=f"127.0.0.1:{free_port()}",
+        JAX_PLATFORMS="cpu",
+    )
+    command = [MPIEXEC, "-n", 2, MPISTAGE_ENV, jax_bundle, "--", "python", "prog.py"]
+    result = run(command, env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, repr(result)
+    facts = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    for rank, f in enumerate(facts):
+        assert (f["index"], f["count"], f["gathered"]) == (rank, 2, [1, 2]), f
+        assert not f["mpi4py"] and f["libmpi"] == [], f
+        for path in (f["jax"], f["executable"]):
+            assert on_node(path, place, rank), (rank, path)

@@ -15,8 +15,11 @@ What a CUDA wheel stack looks like to a loader, at a size of our choosing:
 The stack is built once per size and kept in
 ``${MPISTAGE_CI_CACHE:-~/.cache/mpistage-ci}/gpustack/KEY/site``, KEY a
 hash of this file, the size and the Python tag, so a session (or a fresh
-clone) only builds it once. ``python tests/gputools.py SIZE`` builds it
-and prints the site directory.
+clone) only builds it once. ``python -m mpistage.bench.generate.gpustack
+SIZE`` builds it and prints the site directory.
+
+The test tier (tests/test_gpusize.py) and the benchmark campaign
+(``python -m mpistage.bench.campaigns.gpusize``) use it.
 """
 
 import hashlib
@@ -85,13 +88,9 @@ def mapped():
 
 def parse_size(text):
     """Return the bytes of a size such as ``300MB``, ``2.5GB`` or ``1GiB``."""
-    text = str(text).strip().upper().replace(" ", "")
-    units = {"GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "GB": 10**9}
-    units.update({"MB": 10**6, "KB": 10**3, "B": 1})
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    from mpistage.bench.units import parse_size as parse
+
+    return int(parse(text, "stack size"))
 
 
 def cache_root():
@@ -152,7 +151,15 @@ def library(site, work, i, pad):
     source = work / f"fakecu{i}.c"
     source.write_text(LIBRARY_C.format(i=i))
     linked = work / f"libfakecu{i}.so"  # what the extension links against
-    cc("-shared", "-fPIC", "-O1", f"-Wl,-soname,libfakecu{i}.so.1", source, "-o", linked)
+    cc(
+        "-shared",
+        "-fPIC",
+        "-O1",
+        f"-Wl,-soname,libfakecu{i}.so.1",
+        source,
+        "-o",
+        linked,
+    )
     folder = site / "nvidia" / f"fakecu{i}" / "lib"
     folder.mkdir(parents=True)
     (folder.parent / "__init__.py").write_text("")

@@ -305,6 +305,7 @@ def stack_venv(flavour, stack):
     from envtools import Venv, base_interpreter, build_venv
 
     prefix = flavour.base / "venv"
+    shutil.rmtree(prefix, ignore_errors=True)  # a failed try's
     if flavour.mpi == "mpich":
         venv = build_venv(prefix)
     else:
@@ -324,7 +325,11 @@ def env_bundle(flavour, stack):
     def make(path, env):
         venv = stack_venv(flavour, stack)
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        flavour.tool(["pack", "--env", venv.prefix, "-q", "-o", path], env)
+        # The tool of this venv: pack --env needs pyelftools, which a
+        # source-built venv (mpistage installed --no-deps) lacks.
+        args = ["pack", "--env", venv.prefix, "-q", "-o", path]
+        result = mpistage(args, env, timeout=TIMEOUT)
+        assert result.returncode == 0, repr(result)
         flavour.venv = venv
 
     path = bundle(flavour, stack, "env", make)
@@ -345,7 +350,7 @@ def test_env_with_mpistage_run(flavour, stack, ranks):
     command = [*launcher, flavour.python, flavour.app]
     args = ["run", "--env", path, "--to", to, "--", *command]
     env = job.env(flavour)
-    result = run([flavour.python, "-m", "mpistage", *args], env=env, timeout=TIMEOUT)
+    result = mpistage(args, env, timeout=TIMEOUT)
     facts = job.facts(result, ranks)
     check(ranks, facts, venv.site, job.folder / "run")
     assert not (job.folder / "run").exists()  # cleaned on every node

@@ -98,9 +98,9 @@ class MPI:
             return [name, "--oversubscribe", "-n", str(ranks)]
         return [str(self.python.parent / "mpiexec"), "-n", str(ranks)]
 
-    def tool(self, args, env):
+    def tool(self, args, env, python=None):
         """Run ``python -m mpistage ARGS`` (untimed); raise if it fails."""
-        command = [str(self.python), "-m", "mpistage", *map(str, args)]
+        command = [str(python or self.python), "-m", "mpistage", *map(str, args)]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"mpistage {args[0]} failed:\n{done.stderr[-2000:]}")
@@ -111,6 +111,7 @@ def venv_with_stack(mpi, site, prefix):
     from mpistage.bench.envs import base_python, small_env
     from mpistage.bench.generate.gpustack import link_tree
 
+    shutil.rmtree(prefix, ignore_errors=True)  # an earlier campaign's
     if mpi.name == "mpich":
         small_env(str(prefix), packages=("mpi4py",))
     else:
@@ -140,7 +141,9 @@ def bundle(mpi, name, site):
     else:
         del env["PYTHONPATH"]
         prefix = venv_with_stack(mpi, site, mpi.work / "venv")
-        mpi.tool(["pack", "--env", prefix, "-q", "-o", path], env)
+        # This venv's tool: pack --env needs pyelftools, which a source-built
+        # venv (mpistage installed --no-deps) lacks.
+        mpi.tool(["pack", "--env", prefix, "-q", "-o", path], env, sys.executable)
     mpi.bundles[name] = path
     return path
 
@@ -164,7 +167,8 @@ def command(mpi, mode, ranks, site, job):
         env = str(bundle(mpi, "env", site))
         to = str(job / "run" / "n{node}")
         launch = [*mpi.launcher(ranks, mpistage_run=True), str(mpi.python), app]
-        return [*runner, "run", "--env", env, "--to", to, "--", *launch], {}
+        tool = [sys.executable, "-m", "mpistage"]
+        return [*tool, "run", "--env", env, "--to", to, "--", *launch], {}
     else:  # mpistage-env
         env = str(bundle(mpi, "env", site))
         tool = str(ROOT / "bin" / "mpistage-env")

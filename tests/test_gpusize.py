@@ -20,11 +20,14 @@ node's copy (from the originals in plain runs), and rank 0 never held much
 more than the bundle once (its peak RSS below 1.5 times the stack's size
 plus a constant).
 
-The stack is ``MPISTAGE_GPUSIZE`` bytes (default 120MB, built once and
+The stack is ``MPISTAGE_GPUSIZE`` bytes (default 60MB, built once and
 cached, see gpustack); ``MPISTAGE_GPUSIZE=2.5GB`` makes a run past what one
 MPI message can hold (2^31-1 bytes), for the broadcast's chunks; that run
-takes several minutes per MPI and several GB of disk. Marker ``gpusize``;
-``pytest -m "not gpusize"`` leaves the tier out.
+takes several minutes per MPI and several GB of disk. ``--auto`` and the
+environment modes run at 4 ranks only, unless ``MPISTAGE_GPUSIZE_FULL=1``
+(each of their launches unpacks a whole copy per node). Marker
+``gpusize``; ``pytest -m "not gpusize"`` leaves the tier out. The same
+matrix at GB size, timed: ``python -m mpistage.bench.campaigns.gpusize``.
 """
 
 import json
@@ -42,9 +45,14 @@ pytestmark = [pytest.mark.gpusize, pytest.mark.usefixtures("reap_mpich_shm")]
 
 ROOT = Path(__file__).resolve().parent.parent
 MPISTAGE_ENV = ROOT / "bin" / "mpistage-env"
-SIZE = gpustack.parse_size(os.environ.get("MPISTAGE_GPUSIZE", "120MB"))
+SIZE = gpustack.parse_size(os.environ.get("MPISTAGE_GPUSIZE", "60MB"))
 NODES = 2
 RANK_COUNTS = (2, 4)
+# The modes that unpack a whole environment or run twice cost about 25 s a
+# launch on 2 cores: at 4 ranks only (two a node), unless the full matrix
+# is asked for.
+FULL = os.environ.get("MPISTAGE_GPUSIZE_FULL", "") not in ("", "0", "no")
+HEAVY_RANK_COUNTS = RANK_COUNTS if FULL else (4,)
 # Per launch: generous, so that a hang fails and a 2.5 GB run does not.
 TIMEOUT = int(os.environ.get("MPISTAGE_GPUSIZE_TIMEOUT", 120 + SIZE // 10**7))
 # What a rank holds besides the bundle: the interpreter, mpi4py, MPI's buffers.
@@ -264,7 +272,7 @@ def test_live_without_a_bundle(flavour, stack, ranks):
     no_copy_left(job)
 
 
-@pytest.mark.parametrize("ranks", RANK_COUNTS)
+@pytest.mark.parametrize("ranks", HEAVY_RANK_COUNTS)
 def test_auto_twice(flavour, stack, ranks):
     cache = flavour.base / f"auto-cache-{ranks}"
     options = ["--auto", "--cache-dir", cache]
@@ -336,7 +344,7 @@ def env_bundle(flavour, stack):
     return path, flavour.venv
 
 
-@pytest.mark.parametrize("ranks", RANK_COUNTS)
+@pytest.mark.parametrize("ranks", HEAVY_RANK_COUNTS)
 def test_env_with_mpistage_run(flavour, stack, ranks):
     path, venv = env_bundle(flavour, stack)
     job = Job(flavour, f"run-env-{ranks}")
@@ -356,7 +364,7 @@ def test_env_with_mpistage_run(flavour, stack, ranks):
     assert not (job.folder / "run").exists()  # cleaned on every node
 
 
-@pytest.mark.parametrize("ranks", RANK_COUNTS)
+@pytest.mark.parametrize("ranks", HEAVY_RANK_COUNTS)
 def test_env_with_mpistage_env(flavour, stack, ranks):
     path, venv = env_bundle(flavour, stack)
     job = Job(flavour, f"mpistage-env-{ranks}")

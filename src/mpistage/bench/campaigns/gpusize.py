@@ -284,6 +284,8 @@ def main():
             print(f"gpusize: {mpi.name} {mode}: {row['why'] or 'ok'}", flush=True)
         for path in mpi.bundles.values():
             path.unlink(missing_ok=True)
+        shutil.rmtree(mpi.work / "auto-cache", ignore_errors=True)
+        shutil.rmtree(mpi.work / "venv", ignore_errors=True)
     (work / "gpusize.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 

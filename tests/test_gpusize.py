@@ -25,8 +25,8 @@ cached, see gpustack); ``MPISTAGE_GPUSIZE=2.5GB`` makes a run past what one
 MPI message can hold (2^31-1 bytes), for the broadcast's chunks; that run
 takes several minutes per MPI and several GB of disk. ``--auto`` and the
 environment modes run at 4 ranks only, unless ``MPISTAGE_GPUSIZE_FULL=1``
-(each of their launches unpacks a whole copy per node). Marker
-``gpusize``; ``pytest -m "not gpusize"`` leaves the tier out. The same
+(each of their launches unpacks a whole copy per node). Markers
+``gpusize`` and ``slow``; ``pytest -m "not gpusize"`` leaves the tier out. The same
 matrix at GB size, timed: ``python -m mpistage.bench.campaigns.gpusize``.
 """
 
@@ -41,7 +41,12 @@ from launchertools import source_missing, source_venv
 from mpistage.bench.generate import gpustack
 from stagetools import MPIEXEC, PYTHON, clean_environ, mpistage, run
 
-pytestmark = [pytest.mark.gpusize, pytest.mark.usefixtures("reap_mpich_shm")]
+# Slow too, so that ``make test-fast`` leaves it out.
+pytestmark = [
+    pytest.mark.gpusize,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("reap_mpich_shm"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 MPISTAGE_ENV = ROOT / "bin" / "mpistage-env"

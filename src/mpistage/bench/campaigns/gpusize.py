@@ -16,8 +16,10 @@ live imports, ``--auto`` twice, ``mpistage record`` then ``--bundle``,
 ``pack --env`` of a venv holding the stack then ``mpistage run --env`` and
 ``mpistage-env``. A row is ``ok`` when the launch exits 0 and every rank
 called all three libraries, mapped from its node's copy (from the originals
-in plain runs). The table gives the wall time of the launch and the
-broadcast time of the job's report (the runner's modes); the rows go to
+in plain runs). The table gives the wall time of the launch, the
+broadcast time of the job's report (the runner's modes) and rank 0's peak
+resident memory (``ru_maxrss``, across the ``exec`` of the environment
+modes); the rows go to
 ``OUT/gpusize.json`` too, with each failure's last lines of stderr. The
 bundles, venvs and copies live below OUT (several times SIZE of disk).
 Packing is not timed.
@@ -183,6 +185,7 @@ def one_run(mpi, mode, options, site):
     (job / "out").mkdir(parents=True)
     (job / "stage").mkdir(mode=0o700)
     row = {"mode": mode, "mpi": mpi.name, "ok": False, "wall": None, "bcast": None}
+    row["peak"] = None
     try:
         argv, extra = command(mpi, mode, options.ranks, site, job)
     except RuntimeError as error:
@@ -207,6 +210,9 @@ def one_run(mpi, mode, options, site):
     report = job / "report.json"
     if report.exists():
         row["bcast"] = json.loads(report.read_text())["seconds"].get("broadcast")
+    first = job / "out" / "0.json"
+    if first.exists():
+        row["peak"] = json.loads(first.read_text())["peak"]
     why = verdict(job / "out", options.ranks, mode, code, site)
     if why and code != 0:
         why += cause(err)
@@ -243,12 +249,15 @@ def verdict(out, ranks, mode, code, site):
 
 def table(rows):
     """The rows as a Markdown table."""
-    lines = ["| mode | MPI | result | wall s | broadcast s |", "|---|---|---|---|---|"]
+    lines = ["| mode | MPI | result | wall s | broadcast s | rank 0 peak RSS GB |"]
+    lines.append("|---|---|---|---|---|---|")
     for row in rows:
         result = "ok" if row["ok"] else f"FAIL ({row['why'] or 'error'})"
         bcast = "-" if row["bcast"] is None else f"{row['bcast']:.2f}"
         wall = "-" if row["wall"] is None else f"{row['wall']:.1f}"
-        lines.append(f"| {row['mode']} | {row['mpi']} | {result} | {wall} | {bcast} |")
+        peak = "-" if row["peak"] is None else f"{row['peak'] / 1e9:.2f}"
+        cells = [row["mode"], row["mpi"], result, wall, bcast, peak]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -225,7 +225,12 @@ def one_run(mpi, mode, options, site):
 
 def cause(stderr):
     """The last error line of *stderr*, shortened, as ``: ...``; or nothing."""
-    lines = [line.strip() for line in stderr.splitlines() if "rror" in line]
+    marks = ("Error:", "Exception:", "error:")
+    lines = [
+        line.strip()
+        for line in stderr.splitlines()
+        if any(map(line.__contains__, marks))
+    ]
     return f": {lines[-1][:100]}" if lines else ""
 
 

@@ -20,6 +20,7 @@ runner answers absent names there without the file system.
 """
 
 import os as _os
+import sys as _sys
 
 from mpistage import StageError
 
@@ -169,6 +170,15 @@ def add_libraries(selection, names):
     """
     added = []
     if not names:
+        return added
+    try:
+        import elftools  # noqa: F401
+    except ImportError:
+        print(
+            "mpistage: note: libraries from other distributions not followed: "
+            "pack reads ELF files with pyelftools (pip install pyelftools)",
+            file=_sys.stderr,
+        )
         return added
     for root in selection.paths:
         owners = Owners(root)

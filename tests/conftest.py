@@ -81,6 +81,20 @@ def env_bundle(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def run_file(tmp_path_factory):
+    """The small venv packed with ``pack --env --self-extracting``, once."""
+    from envtools import small_venv
+    from stagetools import mpistage
+
+    path = tmp_path_factory.mktemp("selfextract") / "env.run"
+    venv = small_venv(tmp_path_factory).prefix
+    command = ["pack", "--env", venv, "--self-extracting", "-o", path]
+    result = mpistage(command, clean_environ())
+    assert result.returncode == 0, result
+    return path
+
+
+@pytest.fixture(scope="session")
 def slurm():
     """The environment of launches on the running two-node Slurm test cluster."""
     from launchertools import bring_up

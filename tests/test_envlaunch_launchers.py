@@ -225,19 +225,6 @@ def squeue_has(env, job):
 # -- one read per job: srun --bcast of a self-extracting bundle --------------------
 
 
-@pytest.fixture(scope="module")
-def run_file(tmp_path_factory):
-    """The small environment, packed self-extracting: what ``srun --bcast`` sends."""
-    from envtools import small_venv
-
-    path = tmp_path_factory.mktemp("bcast") / "env.run"
-    venv = small_venv(tmp_path_factory).prefix
-    command = ["pack", "--env", venv, "--self-extracting", "-o", path]
-    result = mpistage(command, clean_environ())
-    assert result.returncode == 0, result
-    return path
-
-
 def left_by_bcast(dest):
     """What a broadcast launch left in the nodes' /dev/shm: copies, claims, file."""
     prefix = f"mpistage-env-{os.getuid()}-p"

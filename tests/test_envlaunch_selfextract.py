@@ -12,21 +12,10 @@ import subprocess
 
 import pytest
 
-from envtools import small_venv
-from stagetools import MPIEXEC, clean_environ, mpistage, run
+from stagetools import MPIEXEC, clean_environ, run
 from test_envlaunch import APP, environ, results, settled
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("reap_mpich_shm")]
-
-
-@pytest.fixture(scope="module")
-def run_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("selfextract") / "env.run"
-    venv = small_venv(tmp_path_factory).prefix
-    command = ["pack", "--env", venv, "--self-extracting", "-o", path]
-    result = mpistage(command, clean_environ())
-    assert result.returncode == 0, result
-    return path
 
 
 @pytest.fixture

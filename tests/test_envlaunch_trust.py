@@ -257,17 +257,7 @@ def test_an_unpacker_whose_rank_was_killed_stops(env_bundle, tmp_path, place):
         tmp_path, f"echo $$ > {mark}.tmp; mv {mark}.tmp {mark}; sleep 3"
     )
     env = environ(place, nodes=1, MPISTAGE_NODE_PYTHON=python)
-    app = tmp_path / "app.py"
-    app.write_text(APP)
-    command = [MPIEXEC, "-n", "1", SCRIPT, env_bundle, "--", "python", app]
-    proc = subprocess.Popen(
-        [str(c) for c in command],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_launch(env_bundle, tmp_path, env, 1)
     try:
         deadline = time.time() + 60
         while not mark.exists() and time.time() < deadline:
@@ -283,6 +273,21 @@ def test_an_unpacker_whose_rank_was_killed_stops(env_bundle, tmp_path, place):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         remove_all(place)
+
+
+def start_launch(bundle, tmp_path, env, ranks):
+    """Start a launch of the app in its own session, its output dropped."""
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    command = [MPIEXEC, "-n", str(ranks), SCRIPT, bundle, "--", "python", app]
+    return subprocess.Popen(
+        [str(c) for c in command],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def parent_of(pid):
@@ -319,17 +324,7 @@ def test_a_launch_killed_while_unpacking_is_taken_over_once_per_node(
     mark = tmp_path / "started"
     python = node_python(tmp_path, f"touch {mark}; sleep 60")
     env = environ(place, FLUX_JOB_ID="f5", MPISTAGE_NODE_PYTHON=python)
-    app = tmp_path / "app.py"
-    app.write_text(APP)
-    command = [MPIEXEC, "-n", "4", SCRIPT, env_bundle, "--", "python", app]
-    proc = subprocess.Popen(
-        [str(c) for c in command],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    proc = start_launch(env_bundle, tmp_path, env, 4)
     deadline = time.time() + 60
     while not mark.exists() and time.time() < deadline:
         time.sleep(0.05)

@@ -55,8 +55,10 @@ info = {"rank": world.rank, "size": world.size, "sum": world.allreduce(1),
         "node": os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
         "exe_dev": os.stat(exe).st_dev, "shm_dev": os.stat("/dev/shm").st_dev,
         "claimer": claimer, "library": MPI.Get_library_version().splitlines()[0]}
-with open(os.path.join(sys.argv[1], f"{world.rank}.json"), "w") as f:
+path = os.path.join(sys.argv[1], f"{world.rank}.json")
+with open(path + ".tmp", "w") as f:  # whole, or not there: tests poll for it
     json.dump(info, f)
+os.replace(path + ".tmp", path)
 if world.rank == 1 and os.environ.get("FAIL_RANK"):
     sys.exit(3)
 time.sleep(float(os.environ.get("SLEEP", "0")))

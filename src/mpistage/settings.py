@@ -246,6 +246,14 @@ SETTINGS = _settings(
         "PATH",
     ),
     Setting(
+        "MPISTAGE_CI_CACHE",
+        text,
+        "",
+        "where the suite and scripts/source-venv keep what they build once "
+        "(default ~/.cache/mpistage-ci): wheels, sdists, the GPU-sized stack",
+        internal=True,
+    ),
+    Setting(
         "MPISTAGE_SLURM_STATE",
         text,
         "/var/lib/mpistage-ci/slurm",

@@ -95,7 +95,9 @@ def parse_size(text):
 
 def cache_root():
     """The directory of built stacks, shared with scripts/source-venv's cache."""
-    base = os.environ.get("MPISTAGE_CI_CACHE") or Path.home() / ".cache/mpistage-ci"
+    from mpistage.settings import get
+
+    base = get("MPISTAGE_CI_CACHE") or Path.home() / ".cache/mpistage-ci"
     return Path(base) / "gpustack"
 
 

@@ -170,8 +170,6 @@ def test_the_watchdog_moves_the_copy_nowhere_another_user_named(tmp_path, sticky
     """The attacker plants, for the next pids, every name the watchdog could
     pick beside the copy; the copy and its claim still go, and nothing of
     the victim's reaches the attacker's directory."""
-    from mpistage.runtime.envlaunch import WATCHDOG
-
     folder = sticky / f"mpistage-env-{os.getuid()}-p1-2"
     claim = Path(f"{folder}.in")
     for made in (folder, claim):
@@ -187,10 +185,17 @@ def test_the_watchdog_moves_the_copy_nowhere_another_user_named(tmp_path, sticky
         os.lchown(planted, NOBODY, NOBODY)
     ended = subprocess.Popen(["true"])
     ended.wait()
-    watchdog = ["/bin/sh", "-c", WATCHDOG, "w", str(ended.pid), str(folder), str(claim)]
+    args = [str(ended.pid), "1", folder, claim]
+    watchdog = ["/bin/sh", "-c", watchdog_code(), "mpistage-env-watchdog", *args]
     subprocess.run(watchdog, timeout=60, check=False)
     assert list(attacker.iterdir()) == []
     assert not folder.exists() and not claim.exists()
+
+
+def watchdog_code():
+    """The watchdog's code, as bin/mpistage-env starts it."""
+    text = SCRIPT.read_text()
+    return text.partition("\nWATCHDOG='")[2].partition("'\n")[0]
 
 
 def names(folder):

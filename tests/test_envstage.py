@@ -435,6 +435,19 @@ def test_refuses_a_dir_without_room(env_bundle, full_fs):
     assert [p.name for p in full_fs.iterdir()] in ([], ["env"])
 
 
+def test_run_without_room_says_so_in_one_line(env_bundle, full_fs, tmp_path):
+    """``mpistage run --env`` whose nodes have no room: the stage step's reason,
+    said once, and no line of its own about the failed step beside it."""
+    command = [MPIEXEC, "-n", "2", PYTHON, "-c", "print('ran')"]
+    args = ["run", "--env", env_bundle, "--to", full_fs / "env" / "n{node}"]
+    env = dict(clean_environ(), MPISTAGE_EMULATE_NODES="2")
+    result = mpistage([*args, "--", *command], env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, result
+    assert "ran" not in result.stdout
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "no space left for the bundle" in lines[0], lines
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
 def test_a_stage_ended_before_its_marker_leaves_no_directory(
     env_bundle, tmp_path, monkeypatch, stop

@@ -25,6 +25,8 @@ _TRUE = ("1", "yes", "on", "true")
 _FALSE = ("0", "no", "off", "false")
 _DIGITS = frozenset("0123456789")
 WAIT_MAX = 86400  # seconds: no wait of mpistage's is longer than a day
+LONGEST = 64  # bytes of a number or a boolean at most: longer is refused at once
+SHOWN_HEAD = 20  # bytes of a refused over-long value that its line shows
 
 
 def _digits(value):
@@ -42,6 +44,28 @@ def _whole(value, high):
     return None if len(value) > len(str(high)) or int(value) > high else int(value)
 
 
+def shown(value):
+    """*value* as a refusal shows it, in one line, the same in ``bin/mpistage-env``.
+
+    Quoted; a backslash, a quote and the bytes that are not printable ASCII
+    are escaped (``\\n``, ``\\xd9``), so a value with a newline is still one
+    line; a value over :data:`LONGEST` bytes shows its first
+    :data:`SHOWN_HEAD` and its length.
+    """
+    data, tail = _os.fsencode(value), "'"
+    if len(data) > LONGEST:
+        data, tail = data[:SHOWN_HEAD], f"...' ({len(data)} bytes)"
+    return "'" + "".join(_ESCAPES.get(b) or _escape(b) for b in data) + tail
+
+
+_ESCAPES = {92: "\\\\", 39: "\\'", 10: "\\n", 9: "\\t", 13: "\\r"}
+
+
+def _escape(byte):
+    """One byte of a shown value: itself if printable ASCII, else ``\\xHH``."""
+    return chr(byte) if 32 <= byte < 127 else f"\\x{byte:02x}"
+
+
 class Kind:
     """How one kind of value is read: :meth:`parse`, and :attr:`says` what it takes.
 
@@ -54,10 +78,14 @@ class Kind:
     says = ""
 
     def __call__(self, name, value):
-        """The value of *name* set to *value*, or one line that refuses it."""
-        found = self.parse(value)
+        """The value of *name* set to *value*, or one line that refuses it.
+
+        A value longer than :data:`LONGEST` bytes is refused by its length
+        alone, before anything reads it.
+        """
+        found = None if len(_os.fsencode(value)) > LONGEST else self.parse(value)
         if found is None:
-            raise StageError(f"{name}={value!r} must be {self.says}")
+            raise StageError(f"{name}={shown(value)} must be {self.says}")
         return found
 
     def parse(self, value):
@@ -105,10 +133,10 @@ class Seconds(Kind):
         whole, dot, fraction = value.partition(".")
         if not _digits(whole) or (dot and not _digits(fraction)):
             return None
-        if _whole(whole, self.high) is None:
-            return None
-        found = float(value)
-        return found if found <= self.high else None
+        seconds = _whole(whole, self.high)
+        if seconds is None or seconds == self.high and fraction.strip("0"):
+            return None  # compared as written: 86400.000000000000001 is above
+        return float(value)
 
 
 yes_no = YesNo()

@@ -145,7 +145,7 @@ def clean_roots(dry_run=False):
 
 def clean_user_dir(candidate_fd, path, name, dry_run):
     """Remove the stale roots in one of this user's directories; return their paths."""
-    from mpistage.node.cleanup import remove_entry, stale_roots
+    from mpistage.node.cleanup import doom, stale_roots
     from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
@@ -158,7 +158,7 @@ def clean_user_dir(candidate_fd, path, name, dry_run):
         for root in list(stale_roots(fd, kept_too=True)):
             found.append(f"{path}/{root}")
             if not dry_run:
-                remove_entry(fd, root)
+                doom(fd, root)
     except StageError:
         return []  # Somebody else's (a squatter's): not ours to clean.
     finally:

@@ -282,13 +282,14 @@ class Steps:
         with tempfile.TemporaryDirectory(prefix="mpistage-run-") as scratch:
             env = owned(self.plan.launch.step_environ(), self.plan.args.keep)
             for command in self.plan.stage_commands(scratch):
-                status = self.step(command, "stage", env)
+                said = []
+                status = self.step(command, "stage", env, said=said)
                 if status or self.signals.received:
                     if status and not self.signals.received:
-                        error(
+                        error(said[0] if said else (
                             f"the stage step failed (exit status {status}): "
                             f"{describe(command)}"
-                        )
+                        ))  # fmt: skip
                     return status
         return 0
 
@@ -314,24 +315,57 @@ class Steps:
             )
         return not status
 
-    def step(self, command, name, env=None, forward=True):
+    def step(self, command, name, env=None, forward=True, said=None):
         """Run one launch, passing SIGINT and SIGTERM on; return its status.
 
         The run step gets SIGTERM for either: launchers pass it to the ranks,
         which then end without a Python traceback (SIGINT would make each
         rank print its ``KeyboardInterrupt``, and Hydra its own banner).
+        With *said*, the step's ``mpistage: error:`` lines are kept there, not
+        printed, so that a failure is said once, in one line.
         """
         if name != "clean" and self.signals.received:
             return 128 + self.signals.received
+        pipe = None if said is None else _subprocess.PIPE
         try:
-            child = _subprocess.Popen(command, env=env, stdout=stdout(name))
+            child = _subprocess.Popen(
+                command, env=env, stdout=stdout(name), stderr=pipe
+            )
         except OSError as exc:
             raise StageError(
                 f"cannot start the {name} step {command[0]!r}: {exc.strerror}"
             ) from None
+        copier = None if said is None else copy_errors(child.stderr, said)
         send = _signal.SIGTERM if name == "run" else None
         with self.signals.passing_to(child if forward else None, send=send):
-            return exit_status(child.wait())
+            status = exit_status(child.wait())
+        if copier is not None:
+            copier.join()
+        return status
+
+
+def copy_errors(stream, said):
+    """Copy *stream* to stderr as it comes, keeping back its error lines.
+
+    A step's ``mpistage: error:`` line is the same on every rank: each is
+    kept in *said* once, for the run to say once. Returns the thread.
+    """
+    import threading
+
+    prefix = "mpistage: error: "
+
+    def copy():
+        with stream:
+            for raw in stream:
+                line = raw.decode(errors="replace").rstrip("\n")
+                if not line.startswith(prefix):
+                    print(line, file=_sys.stderr, flush=True)
+                elif line[len(prefix) :] not in said:
+                    said.append(line[len(prefix) :])
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
 
 
 def owned(env, keep):
@@ -341,8 +375,11 @@ def owned(env, keep):
     ``mpistage clean``, can tell a stage whose job ended without its clean
     step (:mod:`mpistage.runtime.envreap`).
     """
+    from mpistage.node.cleanup import started
+
     env = dict(_os.environ if env is None else env)
-    env["MPISTAGE_RUN_OWNER"] = f"{_os.uname().nodename}:{_os.getpid()}"
+    owner = f"{_os.uname().nodename}:{_os.getpid()}:{started()}"
+    env["MPISTAGE_RUN_OWNER"] = owner
     env["MPISTAGE_RUN_KEEP"] = "yes" if keep else ""
     return env
 

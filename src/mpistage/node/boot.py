@@ -344,7 +344,7 @@ class Meeting:
         finally:
             _os.close(fd)
         here = bool(owner) and owner.get("host") == _os.uname().nodename
-        return here and alive(owner.get("pid"))
+        return here and alive(owner.get("pid"), owner.get("start"))
 
     def forget(self):
         """Let go of a place that is gone already: stop guarding, close, no removal.
@@ -436,7 +436,7 @@ class Meeting:
             raise Declined("the node's first rank failed: " + failed.get("reason", "?"))
         owner = read_owner(self.fd)
         if owner and owner.get("host") == _os.uname().nodename:
-            if not alive(owner.get("pid")):
+            if not alive(owner.get("pid"), owner.get("start")):
                 raise Declined(
                     f"the node's first rank (pid {owner.get('pid')}) ended before "
                     "its copy was complete"

@@ -253,12 +253,13 @@ def stale_root(fd, name, kept_too=False):
         ino, owner = _os.fstat(root_fd).st_ino, read_owner(root_fd)
     finally:
         _os.close(root_fd)
-    if REMOVING in name:  # a removal cut short: finish it once its remover is gone
-        remover = name.rpartition(REMOVING)[2]
-        return None if alive(remover if remover.isdigit() else None) else ino
+    if REMOVING in name:  # a removal cut short: finish it (two at once do no harm)
+        return ino
     if not owner or owner.get("host") != _os.uname().nodename:
         return None
-    if alive(owner.get("pid")) or not kept_too and owner.get("keep") == "yes":
+    if alive(owner.get("pid"), owner.get("start")):
+        return None
+    if not kept_too and owner.get("keep") == "yes":
         return None
     return ino
 
@@ -277,17 +278,76 @@ def remove_if_stale(fd, name):
     except OSError:
         return
     if same:
-        remove_entry(fd, name)
+        doom(fd, name)
 
 
-def alive(pid):
-    """Whether a process with *pid* runs on this host (a zombie does not)."""
+def doom(fd, name):
+    """Remove *name* below *fd*, renamed first to a name that says it is going.
+
+    Crash-only: a removal cut short at any point leaves either the whole
+    entry, still judged by its owner record, or a ``NAME.removing-PID``
+    that the next reaper removes without judging (nobody else makes one).
+    """
+    if REMOVING in name:
+        return remove_entry(fd, name)
+    doomed = f"{name}{REMOVING}{_os.getpid()}"
+    try:
+        _os.rename(name, doomed, src_dir_fd=fd, dst_dir_fd=fd)
+    except FileNotFoundError:
+        return None  # Another rank of the node is removing it.
+    except OSError:
+        doomed = name  # A doomed name of ours left by a remover we replace.
+    return remove_entry(fd, doomed)
+
+
+# -- which processes still run ------------------------------------------------------
+# Judged by what no other user can forge. A bare pid decides nothing:
+# another user can fork until they hold it (``pid_max`` is often 32768),
+# and ``kill -0`` answers ``EPERM`` for another user's process (Slurm's
+# ``slurmstepd`` is root's), which is no proof that it is gone. So a
+# process is named by its pid *and* its start time (``/proc/PID/stat``,
+# clock ticks after boot): a later process given the same pid started
+# later. ``/proc`` says both of any process, whoever owns it;
+# ``bin/mpistage-env`` reads the same field the same way in ``sh``.
+
+
+def alive(pid, start=None):
+    """Whether the process *pid* (started at *start*, if given) runs on this host.
+
+    A zombie does not. *start* is the process's start time from
+    :func:`started` (clock ticks after boot): with it, another process that
+    has since been given the same pid, by chance or by another user's
+    forking, is not taken for the one recorded. ``/proc`` says this of any
+    process, whoever owns it (``kill -0`` cannot: another user's process
+    answers ``EPERM``).
+    """
+    found = stat_fields(pid)
+    if found is None or found[0] in ("Z", "X"):
+        return False
+    return start in (None, "") or str(start) == found[19]
+
+
+def started(pid=None):
+    """The start time of the process *pid* (this one by default), as text."""
+    found = stat_fields(_os.getpid() if pid is None else pid)
+    return "" if found is None else found[19]
+
+
+def stat_fields(pid):
+    """The fields of ``/proc/PID/stat`` after the command's name, or ``None``."""
     try:
         with open(f"/proc/{int(pid)}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, ValueError, TypeError, IndexError):
-        return False
-    return state not in ("Z", "X")
+            fields = f.read().rpartition(")")[2].split()
+    except (OSError, ValueError, TypeError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
+def owner_alive(owner):
+    """Whether the owner ``HOST:PID[:START]`` is a process that runs on this host."""
+    host, _, rest = owner.partition(":")
+    pid, _, start = rest.partition(":")
+    return host == _os.uname().nodename and pid.isdigit() and alive(pid, start)
 
 
 # -- the one removal path ---------------------------------------------------------

@@ -64,7 +64,7 @@ def fnv1a(data):
 
 def emulated_nodes(size, value=None):
     """Return N from ``MPISTAGE_EMULATE_NODES`` (``None`` when unset), 1 to *size*."""
-    from mpistage.settings import SETTINGS
+    from mpistage.settings import SETTINGS, shown
 
     setting = SETTINGS["MPISTAGE_EMULATE_NODES"]
     environ = None if value is None else {setting.name: value}
@@ -74,7 +74,7 @@ def emulated_nodes(size, value=None):
         count = 0
     if count is not None and not 1 <= count <= size:
         raise StageError(
-            f"{setting.name}={setting.text(environ)!r} must be a whole number "
+            f"{setting.name}={shown(setting.text(environ))} must be a whole number "
             f"from 1 to the number of ranks ({size})"
         )
     return count

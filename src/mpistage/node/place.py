@@ -298,8 +298,10 @@ def private_dir(fd, real):
 
 def write_owner(root, job, kind="job"):
     """Record who made *root*, so that ``mpistage clean`` can tell a dead job's."""
+    from mpistage.node.cleanup import started
+
     host, pid = _os.uname().nodename, _os.getpid()
-    fields = {"kind": kind, "host": host, "pid": pid, "job": job}
+    fields = {"kind": kind, "host": host, "pid": pid, "start": started(), "job": job}
     write_fields(root.fd, OWNER_FILE, fields, _os.O_CREAT | _os.O_EXCL)
 
 

@@ -13,11 +13,12 @@ safe-directory rule, marker and crash-only reaping of dead stages beside
 it). The node's other ranks wait for the marker to say ``complete`` and
 never read the bundle.
 
-Outside a scheduler's job, the copy belongs to the launch on this node
-(the ranks' parent: ``hydra_pmi_proxy``, ``orted``, ``mpirun``): a watchdog,
-in a session of its own, removes ``DIR`` and its claim once that process
-has ended. In a job, the copy serves the job's later launches with the
-same bundle and goes when a launch on the node finds the job ended.
+Outside a scheduler's job, and for a launcher's copy of a self-extracting
+bundle, the copy belongs to the launch on this node (the ranks' parent:
+``hydra_pmi_proxy``, ``orted``, ``mpirun``, ``slurmstepd``): the script's
+watchdog, in a session of its own, removes ``DIR`` and its claim once that
+process has ended. In a job, the copy serves the job's later launches with
+the same bundle and goes when a launch on the node finds the job ended.
 """
 
 import os as _os
@@ -26,18 +27,7 @@ import sys as _sys
 from mpistage import StageError
 
 FAILED, LAUNCH, LIBRARIES = "failed", "launch", "libraries"  # files in DIR.in
-# Waits for the launch's process on this node, then removes the copy: it
-# moves DIR into its claim (a directory of this user alone, where nobody
-# can plant a name to move it to), then removes the claim with it. Cut
-# short, it leaves a claim whose owner record the next launch judges.
-# With a fourth argument, also the launcher's copy of a self-extracting
-# bundle (srun --bcast), if it is still a file of this user.
-WATCHDOG = (
-    'cd / && while kill -0 "$1" 2>/dev/null; do sleep 1; done; '
-    'mv -T -- "$2" "$3/removing" 2>/dev/null; rm -rf -- "$3"; '
-    'if [ -n "$4" ] && [ -f "$4" ] && [ ! -L "$4" ] && [ -O "$4" ]; then '
-    'rm -f -- "$4"; fi'
-)
+KEPT = ("spread", "spread_ino")  # the claim's fields the script wrote, kept
 
 
 def main(buf, argv):
@@ -46,11 +36,11 @@ def main(buf, argv):
     *argv*: the bundle's path, ``DIR``, the claim ``DIR.in``, the node's
     name for messages, the launch's owner ``host:pid`` outside a job (else
     empty), and the launcher's copy of a self-extracting bundle that goes
-    with the launch's copy (else empty).
+    with the launch's copy (else empty; the script's watchdog removes it).
     """
-    bundle, folder, claim, node, owner, spread = argv
+    bundle, folder, claim, node, owner, _spread = argv
     try:
-        extract_here(buf, bundle, folder, claim, owner, spread)
+        extract_here(buf, bundle, folder, claim, owner)
     except (StageError, OSError, MemoryError) as exc:
         from mpistage.runtime.collective import describe
 
@@ -58,15 +48,14 @@ def main(buf, argv):
     return 0
 
 
-def extract_here(buf, bundle, folder, claim, owner, spread=""):
-    """Check the bundle in *buf* and unpack it into *folder*; guard it."""
+def extract_here(buf, bundle, folder, claim, owner):
+    """Check the bundle in *buf* and unpack it into *folder*."""
     from mpistage.runtime.extract import Footprint, extract
     from mpistage.runtime.read import check_kind, verify
     from mpistage.runtime.stager import TargetPlace
 
     if owner:
         _os.environ["MPISTAGE_RUN_OWNER"] = owner  # the stage marker's owner
-        watch(owner, folder, claim, spread)
     mark_claim(claim, buf)
     manifest = checked_manifest(buf, bundle, check_kind, verify)
     place = TargetPlace(folder)
@@ -86,13 +75,19 @@ def extract_here(buf, bundle, folder, claim, owner, spread=""):
 
 
 def mark_claim(claim, buf):
-    """Give the claim an owner record: the next launch reaps it if we die."""
+    """Give the claim an owner record: the next launch reaps it if we die.
+
+    The fields the script wrote that only it knows (the launcher's copy
+    that goes with the claim) are kept.
+    """
     from mpistage.node.place import DIR_FLAGS
+    from mpistage.runtime.envreap import read_marker
     from mpistage.runtime.stager import manifest_digest, write_marker
 
     fd = _os.open(claim, DIR_FLAGS)
     try:
-        write_marker(fd, manifest_digest(buf), "claim")
+        kept = {k: v for k, v in read_marker(fd).items() if k in KEPT}
+        write_marker(fd, manifest_digest(buf), "claim", kept)
     finally:
         _os.close(fd)
 
@@ -146,22 +141,3 @@ def write_file(claim, name, text):
         _os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
     finally:
         _os.close(fd)
-
-
-def watch(owner, folder, claim, spread=""):
-    """Start the watchdog that removes the copy once the launch here ended.
-
-    In a session of its own, with none of the rank's descriptors: the
-    launcher waits for its output pipes, and PMI's, to close.
-    """
-    import subprocess
-
-    args = [owner.rpartition(":")[2], folder, claim, spread]
-    subprocess.Popen(
-        ["/bin/sh", "-c", WATCHDOG, "mpistage-env-watchdog", *args],
-        env={"PATH": "/usr/bin:/bin"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )

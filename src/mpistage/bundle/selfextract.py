@@ -1,14 +1,16 @@
 """Self-extracting environment bundles: ``mpistage pack --env --self-extracting``.
 
 A launcher's own broadcast tree can carry an environment to every node
-before the ranks start: ``srun --bcast=/dev/shm/env.run env.run -- python
-app.py`` reads the file once (srun) and spreads it along Slurm's tree,
+before the ranks start: ``srun --bcast=DIR/ env.run -- python app.py``
+(``DIR`` a directory of the user's on each node, docs/stage.md) reads the
+file once (srun) and spreads it along Slurm's tree,
 where every node reading a bundle itself would read it once per node from
 the shared file system. What the launcher broadcasts is the executable, so
 the bundle must be one: ``bin/mpistage-env`` with ``PAYLOAD`` set to the
 offset of the bundle appended after it. Run as ``FILE -- COMMAND``, the
-script reads the bundle from itself; found in a node-local place, it takes
-itself for the launcher's copy and removes it with the launch's copy.
+script reads the bundle from itself; found in a node-local place (or a
+directory of its own there), it takes itself for the launcher's copy, runs
+only if it is a file of the user's alone, and goes with the launch's copy.
 """
 
 import os as _os

@@ -166,8 +166,9 @@ def scheduler_says_ended(var, job):
         return False
     if done.returncode != 0:
         return any(words in done.stderr + done.stdout for words in gone)
-    states = job_states(var, done.stdout)
-    return bool(states) and all(state in final for state in states)
+    # No state at all: the scheduler lists the job no more (squeue forgets
+    # a job MinJobAge seconds after its end).
+    return all(state in final for state in job_states(var, done.stdout))
 
 
 def job_states(var, text):

@@ -71,6 +71,56 @@ def test_the_launch_script_reads_its_settings_with_the_listed_defaults():
     assert "boolean MPISTAGE_STAGE_FALLBACK yes" in script
 
 
+# Values at the edges of the one rule: above the range by a rounding error,
+# a trailing newline, a quote, digits of another script, and far too long.
+EDGES = ["86400.000000000000001", "5\n", "it's", "\u0665", "0" * 99999, "1e3",
+         "600\t", "-0", "0" * 65]  # fmt: skip
+
+
+def shell_refusal(name, value, **extra):
+    """What ``bin/mpistage-env`` says of *name* set to *value*, run by hand."""
+    import subprocess
+
+    env = dict(clean_environ(), **{name: value}, **extra)
+    script = ROOT / "bin" / "mpistage-env"
+    done = subprocess.run(
+        ["sh", script, "/nonexistent.mpistage", "--", "true"],
+        env=env, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert done.returncode != 0, done
+    return done.stderr
+
+
+@pytest.mark.parametrize("value", EDGES, ids=range(len(EDGES)))
+@pytest.mark.parametrize("name", ["MPISTAGE_ENV_WAIT", "MPISTAGE_STAGE_FALLBACK"])
+def test_the_shell_and_python_judge_a_value_alike_in_one_line(name, value):
+    """The same value gets the same verdict and the same line in both, at once
+    (a value of 99,999 zeros is refused by its length, unread)."""
+    import os
+
+    with pytest.raises(StageError) as raised:
+        settings.get(name, {name: value})
+    said = shell_refusal(name, value)
+    assert said == f"mpistage-env: error: on {os.uname().nodename}: {raised.value}\n"
+
+
+def test_a_value_of_the_longest_length_is_read_by_both():
+    value = "0" * 63 + "7"
+    assert settings.get("MPISTAGE_ENV_WAIT", {"MPISTAGE_ENV_WAIT": value}) == 7.0
+    said = shell_refusal("MPISTAGE_ENV_WAIT", value, MPISTAGE_NODE_PYTHON="/none")
+    assert "MPISTAGE_ENV_WAIT" not in said and "no /none on this node" in said, said
+
+
+@pytest.mark.parametrize("value", ["0", "5", "0" * 99999, "2\n", "\u0662"])
+def test_the_shell_and_python_judge_emulated_nodes_alike(value):
+    import os
+
+    with pytest.raises(StageError) as raised:
+        emulated_nodes(4, value)
+    said = shell_refusal("MPISTAGE_EMULATE_NODES", value, PMI_RANK="0", PMI_SIZE="4")
+    assert said == f"mpistage-env: error: on {os.uname().nodename}: {raised.value}\n"
+
+
 @pytest.mark.parametrize(
     ("name", "value", "words"),
     [

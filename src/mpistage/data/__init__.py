@@ -38,8 +38,17 @@ the same ranks, or at interpreter exit, always before MPI is finalized.
 
 import sys as _sys
 
-__all__ = ["SharedArray", "SharedBuffer", "load", "read"]  # noqa: F822 (lazy)
+__all__ = [  # noqa: F822 (lazy)
+    "SharedArray",
+    "SharedBuffer",
+    "StagedDir",
+    "load",
+    "read",
+    "staged_dir",
+]
 
+
+NODE_MODULES = ("__init__", "launch", "place", "cleanup")
 
 # -- the public API -------------------------------------------------------------
 
@@ -88,6 +97,24 @@ def load(
     return array.on_copy(job.segment, job.view, job.path, job.seconds, meta)
 
 
+def staged_dir(path, comm=None, *, include=None):
+    """Stage the directory *path* once per node; return a :class:`StagedDir`.
+
+    Collective. Rank 0 reads every file below *path* (those matching the
+    glob patterns *include*, if given) once, the files travel as one stream
+    to each node leader, which writes them into the node's copy. ``with
+    staged_dir(path) as local:`` gives on every rank the node-local path
+    of the same tree; the copy is removed when the block ends.
+    """
+    comm = _load(comm)
+    from mpistage import preload
+
+    preload(comm, "mpistage.node", NODE_MODULES)  # the leaders' place rules
+    from mpistage.data import dirs
+
+    return dirs.stage(comm, path, include)
+
+
 def _load(comm):
     """Return *comm* (default: world); load this package's steps on its ranks.
 
@@ -111,6 +138,10 @@ def __getattr__(name):
         from mpistage.data.arrays import array_type
 
         return array_type()
+    if name == "StagedDir":
+        from mpistage.data.dirs import StagedDir
+
+        return StagedDir
     if name in ("IO_METHODS", "MPIIO_HINTS"):
         from mpistage.data import steps
 

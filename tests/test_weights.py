@@ -328,3 +328,302 @@ def test_copy_goes_with_the_job(tmp_path, stage_env, stage_dir, checkpoint, abor
         time.sleep(0.05)
     assert not any(Path(p).exists() for p in paths)
     assert job_dirs(stage_dir) == []
+
+
+# -- tensors: safetensors checkpoints ---------------------------------------------
+
+
+def write_raw(path, header, data):
+    """Write a safetensors file by hand: the length, the JSON *header*, *data*."""
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    Path(path).write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+def save_sharded(folder, shards, metadata=None):
+    """Write *shards* ({file: {name: array}}) and their index, as transformers does."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    weight_map = {}
+    for name, arrays in shards.items():
+        save_file(arrays, folder / name, metadata=metadata)
+        weight_map.update({tensor: name for tensor in arrays})
+    index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A single file and a sharded checkpoint written by safetensors (numpy)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import save_file
+
+    base = tmp_path_factory.mktemp("weights")
+    rng = np.random.default_rng(3)
+    single = {
+        "w": rng.standard_normal((33, 7)).astype(np.float32),
+        "h": rng.standard_normal(5).astype(np.float16),
+        "ids": np.arange(11, dtype=np.int64),
+        "mask": np.array([True, False, True]),
+        "bytes": rng.integers(0, 255, (3, 1, 2), dtype=np.uint8),
+        "scalar": np.array(2.5, dtype=np.float64),
+        "none": np.zeros((0, 4), dtype=np.int32),
+    }
+    save_file(single, base / "one.safetensors", metadata={"format": "np"})
+    shards = {
+        "model-00001-of-00003.safetensors": {"a.weight": single["w"] * 2},
+        "model-00002-of-00003.safetensors": {
+            "b.weight": rng.standard_normal((64, 3)).astype(np.float32),
+            "b.bias": np.arange(3, dtype=np.int16),
+        },
+        "model-00003-of-00003.safetensors": {"c": np.arange(1000, dtype=np.uint32)},
+    }
+    sharded = save_sharded(base / "sharded", shards, metadata={"format": "pt"})
+    (sharded / "consolidated.safetensors").write_bytes(b"not in the index")
+    return {"single": str(base / "one.safetensors"), "sharded": str(sharded)}
+
+
+TENSORS = """
+import mmap
+import numpy as np
+from safetensors.numpy import load_file
+bulk.PIECE_SIZE = 97
+
+def where(array):
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= address < hi:
+                return [parts[1], parts[3] + " " + parts[4]]
+
+out = {}
+for case, path in ARGS["paths"].items():
+    found = data.tensors(path, comm=comm)
+    if os.path.isdir(path):
+        index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+        files = sorted(set(index["weight_map"].values()))
+        want = {}
+        for name in files:
+            want.update(load_file(os.path.join(path, name)))
+    else:
+        want = load_file(path)
+    same = sorted(found) == sorted(want) and all(
+        found[k].dtype == want[k].dtype and found[k].shape == want[k].shape
+        and np.array_equal(found[k], want[k]) for k in want
+    )
+    refused = []
+    for name, array in found.items():
+        if array.size == 0:
+            continue
+        try:
+            array[(0,) * array.ndim] = 1
+            refused.append(False)
+        except ValueError:
+            refused.append(True)
+        try:
+            array.flags.writeable = True
+            refused.append(False)
+        except ValueError:
+            refused.append(True)
+    biggest = max(found.values(), key=lambda a: a.size)
+    out[case] = {
+        "same": same, "read only": all(refused), "dict": isinstance(found, dict),
+        "map": where(biggest), "metadata": found.metadata, "index": found.index,
+    }
+    comm.Barrier()  # every leader has removed the names by now
+    out[case]["left"] = places(ARGS["stage"])
+    out[case]["valid after"] = float(biggest.sum()) == float(want[
+        next(k for k in want if want[k].size == biggest.size)].sum())
+emit(out)
+"""
+
+
+@pytest.mark.parametrize("ranks,nodes", [(4, 2), (3, 3)])
+def test_tensors_are_what_safetensors_reads(
+    tmp_path, stage_env, stage_dir, checkpoints, ranks, nodes
+):
+    """Every rank gets the tensors safetensors reads, read-only, viewing one map
+    per node (shared), of a file whose name is gone already."""
+    args = dict(paths=checkpoints, stage=str(stage_dir))
+    _, found = launch(ranks, nodes, TENSORS, args, stage_env, tmp_path)
+    per_node = ranks // nodes
+    shards = sorted(
+        p.name for p in Path(checkpoints["sharded"]).glob("model-*.safetensors")
+    )
+    for case in ("single", "sharded"):
+        outs = [out[case] for out in found]
+        for out in outs:
+            assert out["same"] and out["read only"] and out["dict"], out
+            assert out["left"] == [] and out["valid after"], out
+            assert out["map"][0] == "r--s", out  # a shared, read-only map
+        if case == "single":
+            assert outs[0]["metadata"] == {"one.safetensors": {"format": "np"}}
+            assert outs[0]["index"] is None
+        else:
+            assert outs[0]["metadata"] == {s: {"format": "pt"} for s in shards}
+            assert outs[0]["index"] == {"total_size": 1}
+        inodes = [out["map"][1] for out in outs]
+        for node in range(nodes):
+            assert len(set(inodes[node * per_node : (node + 1) * per_node])) == 1
+        assert len(set(inodes)) == nodes
+
+
+TORCH = """
+import torch
+from safetensors.torch import load_file
+found = data.tensors(ARGS["path"], comm=comm, framework="pt")
+want = load_file(ARGS["path"])
+emit({
+    "same": sorted(found) == sorted(want)
+    and all(torch.equal(found[k], want[k]) for k in want),
+    "torch": all(isinstance(v, torch.Tensor) for v in found.values()),
+})
+"""
+
+
+def test_tensors_for_torch(tmp_path, stage_env, checkpoints):
+    pytest.importorskip("torch", reason="torch is not installed in this venv")
+    args = dict(path=checkpoints["single"])
+    _, found = launch(4, 2, TORCH, args, stage_env, tmp_path)
+    assert found == [{"same": True, "torch": True}] * 4
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_one_read_of_each_shard_per_job(tmp_path, stage_env, checkpoints):
+    """strace: in the whole job each shard is opened once and each byte read once;
+    the index is read once, and the file the index leaves out is never opened."""
+    body = "bulk.PIECE_SIZE = 300\ndata.tensors(ARGS['path'], comm=comm)\nemit(0)\n"
+    target = write_target(tmp_path / "target.py", PRELUDE + body)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    log = tmp_path / "strace.log"
+    # -ff: a file per thread, so that no call is split by another thread's
+    tracer = ["strace", "-ff", "-y", "-e", "trace=%file,%desc", "-o", log]
+    args = json.dumps(dict(path=checkpoints["sharded"]))
+    result = run([*tracer, MPIEXEC, "-n", 4, PYTHON, target, args], env=env)
+    assert result.returncode == 0, result
+    lines = [
+        ln for p in tmp_path.glob("strace.log.*") for ln in p.read_text().splitlines()
+    ]
+    folder = Path(checkpoints["sharded"])
+    calls = [(ln.split("(")[0], ln) for ln in lines if "(" in ln]
+    for shard in sorted(folder.glob("*.safetensors*")):
+        mine = [(call, ln) for call, ln in calls if f"<{shard}>" in ln]
+        opens = [ln for call, ln in mine if call.startswith("open")]
+        reads = [ln for call, ln in mine if "read" in call]
+        got = sum(int(ln.rsplit("=", 1)[1].split("<")[0]) for ln in reads)
+        if shard.name == "consolidated.safetensors":
+            assert opens == [] and got == 0, shard
+        else:
+            assert len(opens) == 1, (shard, opens)
+            assert got == shard.stat().st_size, shard
+
+
+def hostile(folder, checkpoints):
+    """Return {case: (path, what the message says)} of bad checkpoints."""
+    folder = Path(folder)
+    folder.mkdir()
+    f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    cases = {
+        "header of 2**63 bytes": ({}, b"", "its header claims 9223372036854775808"),
+        "invalid JSON": (b'{"a": ', b"", "is no valid JSON"),
+        "names twice": (
+            b'{"a": ' + json.dumps(f32).encode() + b', "a": {}}',
+            bytes(8),
+            "'a' appears twice",
+        ),
+        "offsets out of range": (
+            {"a": f32},
+            bytes(4),
+            "[0, 8], past the 4 bytes of data",
+        ),
+        "overlapping offsets": (
+            {"a": f32, "b": dict(f32, data_offsets=[4, 12])},
+            bytes(12),
+            "tensors 'a' and 'b' overlap",
+        ),
+        "shape and bytes differ": (
+            {"a": dict(f32, shape=[3])},
+            bytes(8),
+            "shape [3] of F32 needs 12 bytes",
+        ),
+        "unknown dtype": ({"a": dict(f32, dtype="F128")}, bytes(8), "dtype 'F128'"),
+        "bytes of no tensor": ({"a": f32}, bytes(12), "bytes 8 to 12 of its data"),
+    }
+    found = {}
+    for number, (case, (header, data, says)) in enumerate(cases.items()):
+        path = folder / f"{number}.safetensors"
+        if case == "header of 2**63 bytes":
+            path.write_bytes((1 << 63).to_bytes(8, "little") + b"{}")
+        else:
+            write_raw(path, header, data)
+        found[case] = (str(path), says)
+    sharded = Path(checkpoints["sharded"])
+    swapped = folder / "swapped"
+    shutil.copytree(sharded, swapped)
+    theirs = folder / "theirs.safetensors"
+    theirs.write_bytes((swapped / "model-00002-of-00003.safetensors").read_bytes())
+    if os.getuid() == 0:
+        os.chown(theirs, 65534, 65534)  # another user's file
+    victim = swapped / "model-00002-of-00003.safetensors"
+    victim.unlink()
+    victim.symlink_to(theirs)
+    found["a shard swapped for a symlink"] = (str(swapped), f"{str(victim)!r} is a")
+    wrong = folder / "wrong-index"
+    shutil.copytree(sharded, wrong)
+    index = json.loads((wrong / "model.safetensors.index.json").read_text())
+    index["weight_map"]["c"] = "model-00001-of-00003.safetensors"
+    (wrong / "model.safetensors.index.json").write_text(json.dumps(index))
+    found["index names the wrong shard"] = (str(wrong), "puts tensor 'c' in")
+    escape = folder / "escape"
+    escape.mkdir()
+    weight_map = {"weight_map": {"w": "../0.safetensors"}}
+    (escape / "model.safetensors.index.json").write_text(json.dumps(weight_map))
+    found["index leaves its directory"] = (str(escape), "not a file name beside")
+    return found
+
+
+HOSTILE = """
+out = {}
+for case, path in ARGS["cases"].items():
+    framework = "tf" if case == "framework" else "np"
+    start = time.monotonic()
+    try:
+        data.tensors(path, comm=comm, framework=framework)
+        message = "no error"
+    except StageError as exc:
+        message = str(exc)
+    comm.Barrier()
+    with open("/proc/self/maps") as f:
+        mapped = [line for line in f if ARGS["stage"] in line]
+    out[case] = [message, time.monotonic() - start, places(ARGS["stage"]), mapped]
+out["good afterwards"] = len(data.tensors(ARGS["good"], comm=comm))
+emit(out)
+"""
+
+
+def test_hostile_checkpoints_one_line_nothing_mapped_nothing_left(
+    tmp_path, stage_env, stage_dir, checkpoints
+):
+    """A bad header, a bad index, a shard swapped for a symlink to another
+    user's file: one line on every rank, nothing mapped, no copy left."""
+    cases = hostile(tmp_path / "hostile", checkpoints)
+    cases["framework"] = (checkpoints["single"], "framework='tf': use 'np'")
+    args = dict(
+        cases={case: path for case, (path, _) in cases.items()},
+        stage=str(stage_dir),
+        good=checkpoints["sharded"],
+    )
+    result, found = launch(4, 2, HOSTILE, args, stage_env, tmp_path)
+    assert result.elapsed < QUICK, result
+    for case, (_, says) in cases.items():
+        messages = {out[case][0] for out in found}
+        assert len(messages) == 1, (case, found)
+        message = messages.pop()
+        assert says in message and "\n" not in message, (case, message)
+        for out in found:
+            assert out[case][1] < 5 and out[case][2:] == [[], []], (case, out[case])
+    assert {out["good afterwards"] for out in found} == {4}

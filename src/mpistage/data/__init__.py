@@ -45,6 +45,7 @@ __all__ = [  # noqa: F822 (lazy)
     "load",
     "read",
     "staged_dir",
+    "tensors",
 ]
 
 
@@ -113,6 +114,25 @@ def staged_dir(path, comm=None, *, include=None):
     from mpistage.data import dirs
 
     return dirs.stage(comm, path, include)
+
+
+def tensors(path, comm=None, *, framework="np"):
+    """Return the tensors of a safetensors checkpoint, one copy per node (collective).
+
+    *path* is a ``.safetensors`` file, or a directory with an index
+    (``model.safetensors.index.json``; or one ``model.safetensors``). The
+    files are staged once per node, their headers checked on rank 0, and
+    every rank gets a :class:`~mpistage.data.weights.Tensors` dict of
+    read-only numpy arrays (``framework="pt"``: torch tensors) that view
+    the node's copy.
+    """
+    comm = _load(comm)
+    from mpistage import preload
+
+    preload(comm, "mpistage.node", NODE_MODULES)
+    from mpistage.data import weights
+
+    return weights.load(comm, path, framework)
 
 
 def _load(comm):

@@ -34,15 +34,22 @@ def stage(comm, path, include):
     from mpistage.data.steps import same_everywhere
     from mpistage.data.trees import check_include
     from mpistage.runtime.collective import attempt
-    from mpistage.runtime.topology import discover
 
     path = attempt(comm, fspath, path)
     include = attempt(comm, check_include, include)
     given = (("path", repr(path)), ("include", repr(include)))
     attempt(comm, same_everywhere, comm, given)
+    return stage_agreed(comm, path, include)
+
+
+def stage_agreed(comm, path, include=None, names=None):
+    """:func:`stage`, the arguments agreed already (*names*: rank 0's only)."""
+    from mpistage.runtime.collective import attempt
+    from mpistage.runtime.topology import discover
+
     job = Job(comm, attempt(comm, discover, comm, True))
     try:
-        job.run(path, include)
+        job.run(path, include, names)
     except BaseException:
         job.free(job.topo.node)
         raise
@@ -72,13 +79,15 @@ class Job:
         now = _time.perf_counter()
         self.seconds[step], self.last = now - self.last, now
 
-    def run(self, path, include):
+    def run(self, path, include, names=None):
         """List, make the places, stream the files, learn the node's path."""
         from mpistage.data.trees import list_tree
         from mpistage.runtime.collective import attempt
 
         topo = self.topo
-        listed = attempt(self.comm, lambda: self.first and list_tree(path, include))
+        listed = attempt(
+            self.comm, lambda: self.first and list_tree(path, include, names)
+        )
         self.tree = topo.leaders.bcast(listed, root=0) if topo.is_leader else None
         self.mark("list")
         try:

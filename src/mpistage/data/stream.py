@@ -54,7 +54,7 @@ def carry(leaders, size, fill=None, drain=None):
     if not spans:
         return
     root = leaders.rank == 0
-    pieces = Pieces(min(BUFFERS, len(spans) + 1), step)
+    pieces = Pieces(min(BUFFERS, len(spans) + 1), min(step, size))
     writer = Worker("writer", drain, pieces, spans)
     reader = Worker("reader", fill, pieces, spans, writer) if root else None
     try:
@@ -112,11 +112,12 @@ class Pieces:
     """The piece buffers of one process, handed between its threads."""
 
     def __init__(self, count, step):
+        import mmap
         import queue
 
         self.queue = queue.Queue()
-        for _ in range(count):
-            self.queue.put(bytearray(HEAD + step))
+        for _ in range(count):  # anonymous maps: no pass to zero them first
+            self.queue.put(mmap.mmap(-1, HEAD + step))
 
     def free(self):
         """Take a free buffer (wait for one the writer gave back)."""
@@ -153,7 +154,7 @@ class Worker:
         """Fill buffers with the stream's pieces, in order, until one fails."""
         for index, (start, end) in enumerate(self.spans):
             buf = self.pieces.free()
-            if self.stop.is_set():
+            if buf is None or self.stop.is_set():
                 return
             word = 0
             if self.error is None:
@@ -198,7 +199,7 @@ class Worker:
             self.inbox.put((None, None))
         else:
             self.stop.set()
-            self.pieces.give(bytearray(0))  # a reader waiting for a buffer ends
+            self.pieces.give(None)  # a reader waiting for a buffer ends
         self.thread.join()
 
 

@@ -66,13 +66,16 @@ class Tree:
         return self.path if self.single else f"{self.path}/{entry.rel}"
 
 
-def list_tree(path, include=None):
+def list_tree(path, include=None, names=None):
     """List the regular files below *path* (rank 0); return the :class:`Tree`.
 
     *include*, if given, is a list of glob patterns: only files that match
     one, or lie below a directory that matches one, are taken (the rules of
     ``mpistage pack --exclude``: a pattern without ``/`` matches a name at
     any depth, ``*`` never crosses ``/``, ``**`` spans directories).
+    *names*, if given instead, are the only files taken, each directly in
+    *path* and each one required: nothing is listed, each is looked at
+    once (:func:`mpistage.data.tensors`, a checkpoint's shards).
     """
     import stat
 
@@ -86,11 +89,36 @@ def list_tree(path, include=None):
         return Tree(real, [], [Entry(_os.path.basename(real), st, 0)], single=True)
     if not stat.S_ISDIR(st.st_mode):
         raise StageError(f"cannot read data directory {path!r}: not a directory")
+    if names is not None:
+        return Tree(real, [], named(real, names))
     dirs, files = walk(real, include)
     if not files:
         what = f" matching {list(include)!r}" if include else ""
         raise StageError(f"data directory {path!r} holds no files{what}")
     return Tree(real, dirs, files)
+
+
+def named(top, names):
+    """The entries of the files *names* directly in *top*, each one required."""
+    import stat
+
+    fd, files, offset = open_dir(top, ""), [], 0
+    try:
+        for name in names:
+            try:
+                st = _os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as exc:
+                where = f"{top}/{name}"
+                raise StageError(
+                    f"cannot read data file {where!r}: {reason(exc)}"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                refuse_kind(f"{top}/{name}", st)
+            files.append(Entry(name, st, offset))
+            offset += st.st_size
+    finally:
+        _os.close(fd)
+    return files
 
 
 def walk(top, include):

@@ -627,3 +627,100 @@ def test_hostile_checkpoints_one_line_nothing_mapped_nothing_left(
         for out in found:
             assert out[case][1] < 5 and out[case][2:] == [[], []], (case, out[case])
     assert {out["good afterwards"] for out in found} == {4}
+
+
+# -- the command line: mpistage data, the runner's --data, mpistage run --data -----
+
+APP = """
+import json, os
+from mpi4py import MPI
+paths = os.environ["MPISTAGE_DATA_DIR"].split(":")
+found = {p: sorted(os.listdir(p)) for p in paths}
+name = os.path.join(os.environ["MPISTAGE_TEST_OUT"], f"{MPI.COMM_WORLD.rank}.json")
+with open(name, "w") as f:
+    json.dump(found, f)
+"""
+
+
+def node_copies(found, nodes, per_node):
+    """The node-local paths each node's ranks saw (all the same within a node)."""
+    seen = []
+    for node in range(nodes):
+        mine = found[node * per_node : (node + 1) * per_node]
+        assert all(out == mine[0] for out in mine), mine
+        seen.append(mine[0])
+    return seen
+
+
+def test_the_runner_stages_data_before_the_program(
+    tmp_path, stage_env, stage_dir, checkpoint, checkpoints
+):
+    """``mpistage --data DIR --data DIR2 app.py``: the program finds both copies in
+    ``MPISTAGE_DATA_DIR``, each node its own; nothing is left after the job."""
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    env["MPISTAGE_LIVE"] = "no"
+    sharded = checkpoints["sharded"]
+    args = ["-m", "mpistage", "--data", checkpoint, "--data", sharded, app]
+    result = mpirun(4, args, env)
+    assert result.returncode == 0, result
+    seen = node_copies(results(env, 4), 2, 2)
+    for copies in seen:
+        first, second = copies
+        assert Path(first).name == "tiny-model" and Path(second).name == "sharded"
+        assert copies[first] == sorted(p.name for p in checkpoint.iterdir())
+        assert copies[second] == sorted(os.listdir(sharded))
+    assert seen[0].keys() != seen[1].keys()
+    assert job_dirs(stage_dir) == []
+
+
+def test_the_runner_refuses_a_missing_data_directory(tmp_path, stage_env):
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    missing = tmp_path / "missing"
+    env = dict(stage_env, MPISTAGE_DATA=str(missing), MPISTAGE_LIVE="no")
+    result = mpirun(2, ["-m", "mpistage", app], env)
+    assert result.returncode == 1, result
+    said = f"cannot read data directory {str(missing)!r}: No such file or directory"
+    assert result.errors() == [f"mpistage: error: {said}"]
+
+
+def test_mpistage_run_data(tmp_path, stage_env, checkpoint):
+    """``mpistage run --data DIR -- mpiexec ... python app.py``: a stage step reads
+    DIR once and copies it per node, the run step finds it, the clean step
+    removes it."""
+    app = tmp_path / "app.py"
+    app.write_text(APP)
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    folder = tmp_path / "env" / "n{node}"
+    command = [PYTHON, "-m", "mpistage", "run", "--data", checkpoint, "--to", folder]
+    command += ["--", MPIEXEC, "-n", 4, PYTHON, app]
+    result = run(command, env=env)
+    assert result.returncode == 0, result
+    seen = node_copies(results(env, 4), 2, 2)
+    for node, copies in enumerate(seen):
+        assert list(copies) == [str(tmp_path / "env.data" / f"n{node}" / "tiny-model")]
+        assert list(copies.values()) == [sorted(p.name for p in checkpoint.iterdir())]
+    assert not (tmp_path / "env.data").exists()
+
+
+def test_mpistage_data_stages_for_a_later_step(tmp_path, stage_env, checkpoint):
+    """``mpistage data DIR --to FOLDER``: the copies stay, marked; a FOLDER that is
+    not empty is refused in one line."""
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    folder = tmp_path / "copy-{node}"
+    command = [MPIEXEC, "-n", 2, PYTHON, "-m", "mpistage", "data", checkpoint]
+    command += ["--to", folder, "--include", "*.safetensors"]
+    result = run(command, env=env)
+    assert result.returncode == 0, result
+    assert result.stdout == f'export MPISTAGE_DATA_DIR="{folder}/tiny-model"\n'
+    for node in (0, 1):
+        copy = tmp_path / f"copy-{node}"
+        assert (copy / ".mpistage-stage").read_text().count("state=complete") == 1
+        names = sorted(p.name for p in (copy / "tiny-model").iterdir())
+        assert names == ["a.safetensors", "b.safetensors", "c.safetensors"]
+    again = run(command, env=env)
+    assert again.returncode == 1, again
+    assert "is not empty; choose a new or empty directory" in again.stderr
+    assert len(again.errors()) == 1

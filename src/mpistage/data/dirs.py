@@ -42,12 +42,15 @@ def stage(comm, path, include):
     return stage_agreed(comm, path, include)
 
 
-def stage_agreed(comm, path, include=None, names=None):
-    """:func:`stage`, the arguments agreed already (*names*: rank 0's only)."""
+def stage_agreed(comm, path, include=None, names=None, place=None):
+    """:func:`stage`, the arguments agreed already (*names*: rank 0's only).
+
+    *place* says where each node's copy goes (default: a :class:`JobPlace`).
+    """
     from mpistage.runtime.collective import attempt
     from mpistage.runtime.topology import discover
 
-    job = Job(comm, attempt(comm, discover, comm, True))
+    job = Job(comm, attempt(comm, discover, comm, True), place or JobPlace())
     try:
         job.run(path, include, names)
     except BaseException:
@@ -69,8 +72,8 @@ def fspath(path):
 class Job:
     """One staging of a tree, on one rank: communicators, the tree, the place."""
 
-    def __init__(self, comm, topo):
-        self.comm, self.topo = comm, topo
+    def __init__(self, comm, topo, place):
+        self.comm, self.topo, self.place = comm, topo, place
         self.tree = self.root = self.local = self.size = None
         self.seconds, self.last = {}, _time.perf_counter()
 
@@ -107,18 +110,10 @@ class Job:
         return self.comm.rank == 0
 
     def make_place(self):
-        """A leader: make, guard and record its node's place; ``None`` elsewhere."""
-        from mpistage.node.cleanup import guard
-        from mpistage.node.place import job_tag, make_root, write_owner
-        from mpistage.runtime.stage import reap
-
+        """A leader: its node's place (:attr:`place`'s); ``None`` elsewhere."""
         if not self.topo.is_leader:
             return None
-        tag = job_tag()
-        root = make_root(tag, self.topo.index, Room(self.tree), reap=reap)
-        guard(root)
-        write_owner(root, tag)
-        return root
+        return self.place.make(self.tree, self.topo.index, Room(self.tree))
 
     def send(self):
         """Leaders: the stream from rank 0's reads into every node's files."""
@@ -139,17 +134,16 @@ class Job:
             if source is not None:
                 source.finish()
             sink.finish()
+            self.place.done(self.root, self.tree)
         finally:
             if source is not None:
                 source.close()
             sink.close()
 
     def discard(self):
-        """Remove this node's place after a failure (the leader; agreed)."""
-        from mpistage.node.cleanup import release
-
+        """Take this node's place away after a failure (the leader; agreed)."""
         if self.root is not None:
-            release(self.root)
+            self.place.discard(self.root)
             self.root = None
 
     def free(self, comm):
@@ -157,6 +151,42 @@ class Job:
         from mpistage.data.steps import free_comm
 
         free_comm(comm)
+
+
+class JobPlace:
+    """The copy of one job: a fresh node's place, guarded, removed at the end.
+
+    Made by the rules of every copy (:func:`mpistage.node.place.make_root`:
+    the first usable candidate, per user, 0700, with room for the tree,
+    reaping this user's copies of dead jobs there first), guarded on every
+    exit path from the moment it exists (:func:`mpistage.node.cleanup.guard`).
+    :class:`~mpistage.data.command.TargetPlace` is the other kind of place.
+    """
+
+    def make(self, tree, node, room):
+        """Create, guard and record this node's place; return it."""
+        from mpistage.node.cleanup import guard
+        from mpistage.node.place import job_tag, make_root, write_owner
+        from mpistage.runtime.stage import reap
+
+        tag = job_tag()
+        root = make_root(tag, node, room, reap=reap)
+        guard(root)
+        write_owner(root, tag)
+        return root
+
+    def done(self, root, tree):
+        """The tree is in *root*."""
+
+    def discard(self, root):
+        """Remove *root* after a failure."""
+        self.release(root)
+
+    def release(self, root):
+        """Remove *root*: the end of the copy (no MPI needed)."""
+        from mpistage.node.cleanup import release
+
+        release(root)
 
 
 class Room:
@@ -299,7 +329,9 @@ class Sink:
         from mpistage.node.place import DIR_FLAGS
 
         folder, _, name = rel.rpartition("/")
-        if self.tree.single or not folder:
+        if self.tree.single:
+            return self.top, self.tree.name  # the name given, not the link's target
+        if not folder:
             return self.top, name
         fd = _os.open(folder.split("/")[0], DIR_FLAGS, dir_fd=self.top)
         for part in folder.split("/")[1:]:
@@ -338,7 +370,7 @@ class StagedDir:
     def __init__(self, job):
         self.path, self.seconds = job.local, dict(job.seconds)
         self.nbytes = job.size
-        self._node, self._root = job.topo.node, job.root
+        self._node, self._root, self._place = job.topo.node, job.root, job.place
         self.closed = False
         COPIES.append(self)
 
@@ -367,12 +399,12 @@ class StagedDir:
 
     def remove(self, wait):
         """Wait for the node's ranks (if *wait*), then the leader removes the copy."""
-        from mpistage.node.cleanup import release
         from mpistage.runtime.collective import barrier
 
         if wait:
             barrier(self._node)
-        release(self._root)
+        if self._root is not None:
+            self._place.release(self._root)
         self._root = None
         if wait:
             self._node.Free()

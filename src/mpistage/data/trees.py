@@ -52,18 +52,23 @@ class Tree:
     tree is then that file alone, named by its base name.
     """
 
-    def __init__(self, path, dirs, files, single=False):
+    def __init__(self, path, dirs, files, single=False, name=None):
         self.path, self.dirs, self.files, self.single = path, dirs, files, single
         self.size = sum(entry.size for entry in files)
-
-    @property
-    def name(self):
-        """The base name of the path: the name of the copy below its place."""
-        return _os.path.basename(self.path.rstrip("/")) or "root"
+        self.name = name or base_name(path)
 
     def source(self, entry):
         """The path of *entry*'s original, for messages."""
         return self.path if self.single else f"{self.path}/{entry.rel}"
+
+
+def base_name(path):
+    """The name of *path*'s copy below its place: the path's last name, as given.
+
+    As given, not resolved: ``/scratch/ckpt`` may be a link to
+    ``/lustre/x/ckpt-final``, and the user knows it as ``ckpt``.
+    """
+    return _os.path.basename(_os.path.abspath(path).rstrip("/")) or "root"
 
 
 def list_tree(path, include=None, names=None):
@@ -85,17 +90,19 @@ def list_tree(path, include=None, names=None):
     except OSError as exc:
         reason = exc.strerror
         raise StageError(f"cannot read data directory {path!r}: {reason}") from None
+    name = base_name(path)
     if stat.S_ISREG(st.st_mode):
-        return Tree(real, [], [Entry(_os.path.basename(real), st, 0)], single=True)
+        entry = Entry(_os.path.basename(real), st, 0)
+        return Tree(real, [], [entry], single=True, name=name)
     if not stat.S_ISDIR(st.st_mode):
         raise StageError(f"cannot read data directory {path!r}: not a directory")
     if names is not None:
-        return Tree(real, [], named(real, names))
+        return Tree(real, [], named(real, names), name=name)
     dirs, files = walk(real, include)
     if not files:
         what = f" matching {list(include)!r}" if include else ""
         raise StageError(f"data directory {path!r} holds no files{what}")
-    return Tree(real, dirs, files)
+    return Tree(real, dirs, files, name=name)
 
 
 def named(top, names):

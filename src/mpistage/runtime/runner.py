@@ -32,6 +32,10 @@ options:
                   (distributions, directories, files no distribution owns),
                   files (every file's size and mtime) or strict (checksums)
   --trust         skip the staleness check
+  --data DIR      copy the directory DIR (a model checkpoint) once per node
+                  before the program runs, read once per job; the program
+                  finds the node's copy in $MPISTAGE_DATA_DIR (repeat for
+                  several: ':'-separated; default: $MPISTAGE_DATA)
   --keep          keep the node places after the job
   --report        print a summary of the job on rank 0 (stderr)
   --version       print the version and exit
@@ -50,6 +54,7 @@ SWITCHES = ("--keep", "--report", "--auto")
 class Options:
     """Runner options, from the command line and the environment."""
 
+    data = ()
     bundle = None
     auto = False
     cache_dir = None
@@ -87,6 +92,7 @@ def parse(argv):
         usage_error("--auto and --bundle exclude each other")
     if not options.auto:
         options.bundle = options.bundle or settings.get("MPISTAGE_BUNDLE")
+    options.data = options.data or settings.get("MPISTAGE_DATA")
     return options, args
 
 
@@ -101,6 +107,11 @@ def take_option(options, args):
 
         print(f"mpistage {__version__}")
         _sys.exit(0)
+    elif opt == "--data":
+        value = value if eq else (args.pop(0) if args else "")
+        if not value:
+            usage_error("--data needs a directory")
+        options.data = [*options.data, value]
     elif opt in VALUED:
         if not eq:
             value = args.pop(0) if args else ""
@@ -128,6 +139,7 @@ class Runner:
     def __init__(self, world, options, args):
         self.world, self.options, self.args = world, options, list(args)
         self.session = self.recorder = self.auto = self.watch = self.learn = None
+        self.data = []
         self.status, self.ended, self.cancel_watch = 0, False, None
         self.seconds, self.live = {}, None
 
@@ -144,6 +156,7 @@ class Runner:
         begun = _time.perf_counter()
         topology = attempt(self.world, discover, self.world)
         self.seconds["topology"] = _time.perf_counter() - begun
+        self.stage_data()
         bundle = self.auto_bundle() if self.options.auto else self.options.bundle
         self.session = self.new_session(bundle, topology)
         import_runpy(self.args)
@@ -159,6 +172,24 @@ class Runner:
             from mpistage.runtime.report import Watch
 
             self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+
+    def stage_data(self):
+        """``--data``: each directory once per node; its path in ``MPISTAGE_DATA_DIR``.
+
+        Before anything serves imports: :mod:`mpistage.data` is imported
+        here, not through the finders. Several directories give their
+        node-local paths in the order given, ``:``-separated.
+        """
+        if not self.options.data:
+            return
+        from mpistage import data
+
+        begun = _time.perf_counter()
+        for folder in self.options.data:
+            self.data.append(data.staged_dir(folder, self.world))
+        paths = _os.pathsep.join(copy.path for copy in self.data)
+        _os.environ["MPISTAGE_DATA_DIR"] = paths
+        self.seconds["data"] = _time.perf_counter() - begun
 
     def say_off_path(self):
         """Rank 0: say in one line if none of the bundle's roots is on ``sys.path``.
@@ -326,6 +357,8 @@ class Runner:
         self.wrap_up()
         if self.live is not None:
             self.live.release()
+        for copy in self.data:
+            copy.close()  # collective on each node, as the session's end
         self.session.close()
 
     def wrap_up(self):

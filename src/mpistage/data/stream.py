@@ -4,19 +4,24 @@ A staged directory's files travel as one stream (:class:`~mpistage.data.
 trees.Tree`), never one transfer per file and never whole in any process:
 a checkpoint of 10-150 GB is tens of shards. :func:`carry` moves the
 stream from leader 0 to every node leader in pieces of at most
-:data:`mpistage.runtime.bulk.PIECE_SIZE` bytes, on the bulk path (one
-``Ibcast`` per piece, completed without sleeps). On leader 0 a thread reads
+:data:`mpistage.runtime.bulk.PIECE_SIZE` bytes. On leader 0 a thread reads
 ahead into a few piece buffers (``preadv`` releases the GIL); on every
 leader a thread writes behind (``pwritev`` straight into the files of the
 node's copy); the main thread drives the broadcasts. So a process holds
 :data:`BUFFERS` pieces at most, whatever the tree's size.
 
-Every piece carries an 8-byte word in front of its bytes: 0, or 1 when
-leader 0 could not read it (a file unreadable, changed or gone). All
-leaders then stop at that same piece, and the caller's agreement raises
-leader 0's reason on every rank. A leader that cannot write (its node's
-place full) keeps receiving, so that nobody waits on it, and says so at
-the end.
+Each piece is two broadcasts. First its word, on the control path (8
+bytes; the receivers sleep while they wait, :func:`mpistage.runtime.
+collective.wait`): 0 once leader 0 has read the piece, or :data:`FAILED`
+when it could not (a file unreadable, changed or gone). Then its bytes, on
+the bulk path, polled without sleeps (:func:`complete`). So a leader takes
+the CPU only while bytes flow, never while leader 0's read of a slow
+shared file system is under way: the cores stay with the reader, the
+writers and, on one machine, the file system's server. After a
+:data:`FAILED` word all leaders stop at that same piece, and the caller's
+agreement raises leader 0's reason on every rank. A leader that cannot
+write (its node's place full) keeps receiving, so that nobody waits on it,
+and says so at the end.
 
 :func:`carry` is the one function the rest of :mod:`mpistage.data` calls
 for a stream, so that it can share the bundle's byte path.
@@ -27,16 +32,8 @@ import threading as _threading
 
 from mpistage import StageError
 
-HEAD = 8  # bytes of the word in front of each piece
 BUFFERS = 3  # piece buffers per process: one read or written, one sent, one spare
 FAILED = 1  # the word of a piece leader 0 could not read
-
-
-def payload():
-    """The bytes of the stream one piece carries."""
-    from mpistage.runtime.bulk import piece_size
-
-    return max(1, piece_size() - HEAD)
 
 
 def carry(leaders, size, fill=None, drain=None):
@@ -49,14 +46,16 @@ def carry(leaders, size, fill=None, drain=None):
     a leader that stopped because leader 0 failed raises a placeholder
     (leader 0's own reason, agreed by the caller, comes first).
     """
-    step = payload()
+    from mpistage.runtime.bulk import piece_size
+
+    step = piece_size()
     spans = [(start, min(size, start + step)) for start in range(0, size, step)]
     if not spans:
         return
     root = leaders.rank == 0
     pieces = Pieces(min(BUFFERS, len(spans) + 1), min(step, size))
     writer = Worker("writer", drain, pieces, spans)
-    reader = Worker("reader", fill, pieces, spans, writer) if root else None
+    reader = Worker("reader", fill, pieces, spans) if root else None
     try:
         stopped = send_all(leaders, spans, pieces, reader, writer)
     finally:
@@ -74,13 +73,20 @@ def send_all(leaders, spans, pieces, reader, writer):
     """Broadcast every piece in order; return whether leader 0 stopped it."""
     from mpi4py import MPI
 
+    from mpistage.runtime.collective import wait
+
+    word = memoryview(bytearray(8)).cast("q")
     for index, (start, end) in enumerate(spans):
-        buf = reader.take(index) if reader is not None else pieces.free()
-        message = memoryview(buf)[: HEAD + end - start]
-        complete(leaders.Ibcast([message, MPI.BYTE], root=0))
-        if int.from_bytes(buf[:HEAD], "little") == FAILED:
+        if reader is not None:
+            buf, word[0] = reader.take(index)
+        else:
+            buf = pieces.free()
+        wait(leaders.Ibcast([word, MPI.INT64_T], root=0))  # sleeps: no bytes yet
+        if word[0] == FAILED:
             pieces.give(buf)
             return True
+        with memoryview(buf) as view:
+            complete(leaders.Ibcast([view[: end - start], MPI.BYTE], root=0))
         writer.put(index, buf)
     return False
 
@@ -117,7 +123,7 @@ class Pieces:
 
         self.queue = queue.Queue()
         for _ in range(count):  # anonymous maps: no pass to zero them first
-            self.queue.put(mmap.mmap(-1, HEAD + step))
+            self.queue.put(mmap.mmap(-1, step))
 
     def free(self):
         """Take a free buffer (wait for one the writer gave back)."""
@@ -131,17 +137,18 @@ class Pieces:
 class Worker:
     """A thread that reads pieces ahead (leader 0) or writes them behind.
 
-    The reader takes free buffers, fills them in order and hands them to
-    the main thread; the writer takes sent pieces, writes them, and gives
-    the buffers back. After a failure the writer only gives buffers back,
-    and the reader marks its piece :data:`FAILED` and stops.
+    The reader takes free buffers, fills them in order and hands them, with
+    their word, to the main thread; the writer takes sent pieces, writes
+    them, and gives the buffers back. After a failure the writer only gives
+    buffers back, and the reader hands its piece over as :data:`FAILED`
+    and stops.
     """
 
-    def __init__(self, kind, work, pieces, spans, writer=None):
+    def __init__(self, kind, work, pieces, spans):
         import queue
 
         self.kind, self.work, self.pieces, self.spans = kind, work, pieces, spans
-        self.inbox, self.error, self.writer = queue.Queue(), None, writer
+        self.inbox, self.error = queue.Queue(), None
         self.stop = _threading.Event()
         self.thread = _threading.Thread(
             target=self.read if kind == "reader" else self.write,
@@ -152,27 +159,22 @@ class Worker:
 
     def read(self):
         """Fill buffers with the stream's pieces, in order, until one fails."""
-        for index, (start, end) in enumerate(self.spans):
+        for start, end in self.spans:
             buf = self.pieces.free()
             if buf is None or self.stop.is_set():
                 return
-            word = 0
-            if self.error is None:
-                try:
-                    with memoryview(buf) as view:
-                        self.work(start, view[HEAD : HEAD + end - start])
-                except BaseException as exc:  # noqa: BLE001  (told to all, then raised)
-                    self.error, word = as_stage_error(exc), FAILED
-            buf[:HEAD] = word.to_bytes(HEAD, "little")
-            self.inbox.put((index, buf))
-            if word == FAILED:
+            try:
+                with memoryview(buf) as view:
+                    self.work(start, view[: end - start])
+            except BaseException as exc:  # noqa: BLE001  (told to all, then raised)
+                self.error = as_stage_error(exc)
+                self.inbox.put((buf, FAILED))
                 return
+            self.inbox.put((buf, 0))
 
     def take(self, index):
-        """The main thread: the buffer of piece *index*, once read."""
-        got, buf = self.inbox.get()
-        assert got == index, (got, index)
-        return buf
+        """The main thread: the buffer of piece *index* and its word, once read."""
+        return self.inbox.get()
 
     def put(self, index, buf):
         """The main thread: piece *index* was sent; write it."""
@@ -188,7 +190,7 @@ class Worker:
                 start, end = self.spans[index]
                 try:
                     with memoryview(buf) as view:
-                        self.work(start, view[HEAD : HEAD + end - start])
+                        self.work(start, view[: end - start])
                 except BaseException as exc:  # noqa: BLE001  (raised after the stream)
                     self.error = as_stage_error(exc)
             self.pieces.give(buf)

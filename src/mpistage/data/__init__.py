@@ -6,8 +6,14 @@
     with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
         digest = hashlib.sha256(buf).hexdigest()  # bytes-like, read-only
     weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
+    with data.staged_dir("/scratch/model", comm=comm) as local:  # a node-local path
+        model = from_pretrained(local)
+    tensors = data.tensors("/scratch/model", comm=comm)  # safetensors, as arrays
 
-Both calls are collective over *comm* and run the same steps on every rank
+``staged_dir`` and ``tensors`` copy directories and safetensors
+checkpoints into a node's place (:mod:`~mpistage.data.dirs`,
+:mod:`~mpistage.data.weights`). ``read`` and ``load``, the two calls
+described here, are collective over *comm* and run the same steps on every rank
 (see docs/data.md):
 
 - arguments: every rank must pass the same ones (path, readers, io, and

@@ -42,6 +42,19 @@ def stage(comm, path, include):
     return stage_agreed(comm, path, include)
 
 
+def for_program(comm, folders):
+    """Stage each of *folders* for a program (``--data``); return the copies.
+
+    ``MPISTAGE_DATA_DIR`` gets their node-local paths, in the order given,
+    ``:``-separated: the program reads the copies from there.
+    """
+    from mpistage import data
+
+    copies = [data.staged_dir(folder, comm) for folder in folders]
+    _os.environ["MPISTAGE_DATA_DIR"] = _os.pathsep.join(c.path for c in copies)
+    return copies
+
+
 def stage_agreed(comm, path, include=None, names=None, place=None):
     """:func:`stage`, the arguments agreed already (*names*: rank 0's only).
 

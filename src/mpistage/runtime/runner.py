@@ -47,7 +47,7 @@ environment:
 tools: mpistage {%s} --help"""
 
 FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
-VALUED = ("--bundle", "--cache-dir", "--validate")
+VALUED = ("--bundle", "--cache-dir", "--validate", "--data")
 SWITCHES = ("--keep", "--report", "--auto")
 
 
@@ -107,16 +107,12 @@ def take_option(options, args):
 
         print(f"mpistage {__version__}")
         _sys.exit(0)
-    elif opt == "--data":
-        value = value if eq else (args.pop(0) if args else "")
-        if not value:
-            usage_error("--data needs a directory")
-        options.data = [*options.data, value]
     elif opt in VALUED:
         if not eq:
             value = args.pop(0) if args else ""
         if not value:
             usage_error(f"{opt} needs a value")
+        value = [*options.data, value] if opt == "--data" else value  # repeated
         setattr(options, opt[2:].replace("-", "_"), value)
     elif opt in SWITCHES and not eq:
         setattr(options, opt[2:], True)
@@ -174,22 +170,14 @@ class Runner:
             self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
 
     def stage_data(self):
-        """``--data``: each directory once per node; its path in ``MPISTAGE_DATA_DIR``.
+        """``--data``: :func:`mpistage.data.dirs.for_program`, before any import
+        is served (:mod:`mpistage.data` is not imported through the finders)."""
+        if self.options.data:
+            from mpistage.data import dirs
 
-        Before anything serves imports: :mod:`mpistage.data` is imported
-        here, not through the finders. Several directories give their
-        node-local paths in the order given, ``:``-separated.
-        """
-        if not self.options.data:
-            return
-        from mpistage import data
-
-        begun = _time.perf_counter()
-        for folder in self.options.data:
-            self.data.append(data.staged_dir(folder, self.world))
-        paths = _os.pathsep.join(copy.path for copy in self.data)
-        _os.environ["MPISTAGE_DATA_DIR"] = paths
-        self.seconds["data"] = _time.perf_counter() - begun
+            begun = _time.perf_counter()
+            self.data = dirs.for_program(self.world, self.options.data)
+            self.seconds["data"] = _time.perf_counter() - begun
 
     def say_off_path(self):
         """Rank 0: say in one line if none of the bundle's roots is on ``sys.path``.

@@ -107,7 +107,7 @@ class Job:
         self.tree = topo.leaders.bcast(listed, root=0) if topo.is_leader else None
         self.mark("list")
         try:
-            self.root = attempt(self.comm, self.make_place)
+            attempt(self.comm, self.make_place)
             self.mark("place")
             attempt(self.comm, self.send)
             self.mark("stream")
@@ -123,10 +123,13 @@ class Job:
         return self.comm.rank == 0
 
     def make_place(self):
-        """A leader: its node's place (:attr:`place`'s); ``None`` elsewhere."""
-        if not self.topo.is_leader:
-            return None
-        return self.place.make(self.tree, self.topo.index, Room(self.tree))
+        """A leader: make its node's place (:attr:`place`'s), :attr:`root`.
+
+        Kept at once, not returned: when another leader fails, the
+        agreement raises here too, and the place made must be discarded.
+        """
+        if self.topo.is_leader:
+            self.root = self.place.make(self.tree, self.topo.index, Room(self.tree))
 
     def send(self):
         """Leaders: the stream from rank 0's reads into every node's files."""
@@ -216,11 +219,13 @@ class Room:
         return block * (sum(-(-size // block) for size in self.sizes) + self.dirs)
 
 
-def overlapping(files, start, end):
-    """Yield (entry, lo, hi): the part [lo, hi) of the stream in each file."""
+def overlapping(files, offsets, start, end):
+    """Yield (entry, lo, hi): the part [lo, hi) of the stream in each file.
+
+    *offsets* are the files' offsets in the stream, in order (made once).
+    """
     import bisect
 
-    offsets = [entry.offset for entry in files]
     index = max(0, bisect.bisect_right(offsets, start) - 1)
     for entry in files[index:]:
         if entry.offset >= end:
@@ -235,6 +240,7 @@ class Source:
 
     def __init__(self, tree):
         self.tree, self.files = tree, [e for e in tree.files if e.size]
+        self.offsets = [entry.offset for entry in self.files]
         self.entry = self.fd = None
 
     def fill(self, start, view):
@@ -242,7 +248,8 @@ class Source:
         from mpistage.data.stream import read_into
         from mpistage.data.trees import changed
 
-        for entry, lo, hi in overlapping(self.files, start, start + len(view)):
+        end = start + len(view)
+        for entry, lo, hi in overlapping(self.files, self.offsets, start, end):
             fd = self.open(entry)
             part = view[lo - start : hi - start]
             try:
@@ -286,6 +293,7 @@ class Sink:
     def __init__(self, root, tree):
         self.root, self.tree = root, tree
         self.files = [e for e in tree.files if e.size]
+        self.offsets = [entry.offset for entry in self.files]
         self.top = self.entry = self.fd = None
         self.left = 0
 
@@ -312,7 +320,8 @@ class Sink:
         """Write the stream's bytes *view* (from *start* on) into their files."""
         from mpistage.data.stream import write_from
 
-        for entry, lo, hi in overlapping(self.files, start, start + len(view)):
+        end = start + len(view)
+        for entry, lo, hi in overlapping(self.files, self.offsets, start, end):
             if self.entry is not entry:
                 self.fd, self.entry, self.left = self.create(entry), entry, entry.size
             write_from(self.fd, view[lo - start : hi - start], lo - entry.offset)

@@ -138,6 +138,24 @@ def test_bench_data_on_two_nodes(tmp_path):
     assert {r["readers"]: r["fs_processes"] for r in shared} == {1: 1, 2: 2}, rows
 
 
+def test_bench_weights_on_two_nodes(tmp_path):
+    """A sharded checkpoint: every node fetches it when every rank maps it;
+    one rank reads it once for the whole job with mpistage."""
+    out = tmp_path / "out"
+    args = ["-m", "mpistage", "bench", "weights", "--size", "3MB", "--shards", "3"]
+    args += ["--ranks", "4", "--nodes", "2", "--latency", "0", "-o", str(out)]
+    result = run([sys.executable, *args], env=clean_environ(), timeout=300)
+    assert result.returncode == 0, result
+    rows = {
+        r["mode"]: r for r in json.loads((out / "weights.json").read_text())["rows"]
+    }
+    size = rows["mpistage"]["size"]
+    assert rows["mpistage"]["fs_processes"] == 1
+    assert size <= rows["mpistage"]["fs_bytes"] < size + 64 * 1024
+    assert rows["plain-map"]["fs_processes"] == 4
+    assert rows["plain-map"]["fs_bytes"] >= 2 * size
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [

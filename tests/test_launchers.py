@@ -165,6 +165,37 @@ def test_srun(slurm, env_bundle, shared, app, out, alloc, line, ranks, staged_on
     assert errors(result.stderr) == [], result
 
 
+DATA_APP = """
+import json, os, sys
+from mpi4py import MPI
+rank, path = MPI.COMM_WORLD.rank, os.environ["MPISTAGE_DATA_DIR"]
+found = {"node": os.environ["SLURMD_NODENAME"], "path": path,
+         "files": sorted(os.listdir(path))}
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+    json.dump(found, f)
+"""
+
+
+def test_srun_data(slurm, tmp_path, out):
+    """``mpistage run --data DIR -- srun``: each node's ranks find the node's copy;
+    the clean step leaves nothing on either node."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (checkpoint / name).write_bytes(os.urandom(1000))
+    app = tmp_path / "data_app.py"
+    app.write_text(DATA_APP)
+    before = node_stages()
+    line = ["srun", "-N", "2", "-n", "4", PYTHON, app, out]
+    result = mpistage(["run", "--data", checkpoint, "--", *line], slurm)
+    assert result.returncode == 0, result
+    found = [json.loads((out / f"{r}.json").read_text()) for r in range(4)]
+    assert {f["node"] for f in found} == set(NODES)
+    assert all(f["files"] == ["config.json", "model.safetensors"] for f in found)
+    assert len({f["path"] for f in found}) == 1  # the same path, on each node
+    assert left_on_nodes(before) == {node: set() for node in NODES}
+
+
 @pytest.mark.parametrize("alloc", ["salloc -N 2", ""])
 def test_srun_arbitrary_with_a_host_file(
     slurm, env_bundle, shared, app, out, tmp_path, alloc

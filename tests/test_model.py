@@ -404,3 +404,27 @@ def test_plot_is_written(tmp_path, capsys):
     assert cli_model(["--ranks", "1024,131072", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_ranks([1024, 4096, 3000]) == [1024, 2048, 3000, 4096]
+
+
+def test_the_weights_term_by_hand(capsys):
+    """140 GB in 30 shards at 512 nodes of 4 ranks, on the default machine."""
+    from mpistage.bench.model.weights import weights_seconds
+
+    machine, size, ops = Machine(ranks_per_node=4), 140e9, 4 * 31
+    plain = weights_seconds("plain", size, 30, 2048, 512, machine)
+    # every node fetches W: 512 * 140 GB / 35 GB/s; 2048 ranks * 124 ops / 40,000/s
+    assert plain["read"] == pytest.approx(2048.0)
+    assert plain["metadata"] == pytest.approx(2048 * ops / 40_000)
+    assert plain["total"] == pytest.approx(2048.0 + 6.3488)
+    staged = weights_seconds("mpistage", size, 30, 2048, 512, machine)
+    # one reader at 1 GB/s is the slowest of read (140 s), the pipelined
+    # broadcast ((9 + 33,379 - 1) pieces of 4 MiB: 28.2 s) and the write
+    # (140 s); one 64 MiB piece through the reader and the writer fills it
+    piece = 64 * 2**20
+    assert staged["stream"] == pytest.approx(140 + 2 * piece / 1e9)
+    assert staged["total"] == pytest.approx(ops / 2000 + 140 + 2 * piece / 1e9)
+    assert cli_model(["--weights", "140GB", "--ranks-per-node", "4",
+                      "--ranks", "2048,16384", "--modes", "plain"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 16,384 | 4,096 | plain | 50.8 | 16,384 | - | 16,435 |" in out
+    assert "| 16,384 | 4,096 | mpistage | 0.062 | 140 | 140 | 140 | 140 GB |" in out

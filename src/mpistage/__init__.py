@@ -23,8 +23,8 @@ __version__ = "0.2.0"
 __all__ = ["StageError", "__version__", "data", "inspect", "pack", "staged"]
 
 # The ``mpistage`` commands that are tools, and the module of each; every
-# other word is the runner (a script), but ``stage``, which runs in every
-# rank (:mod:`mpistage.runtime.stager`).
+# other word is the runner (a script), but ``stage`` and ``data``, which run
+# in every rank (:mod:`mpistage.runtime.stager`, :mod:`mpistage.data.command`).
 TOOLS = {
     "pack": "mpistage.cli.pack",
     "record": "mpistage.cli.record",
@@ -33,7 +33,7 @@ TOOLS = {
     "run": "mpistage.cli.run",
     "bench": "mpistage.bench.cli",
 }
-COMMANDS = ("stage", *TOOLS)
+COMMANDS = ("stage", "data", *TOOLS)
 
 
 class StageError(Exception):

@@ -2,8 +2,9 @@
 
 ``mpistage pack|record|inspect|clean|run|bench ...`` are tools (see
 :mod:`mpistage.cli`). Anything else is the runner (``mpistage app.py``,
-``mpistage -m mod``, ``mpistage -c code``), and ``mpistage stage`` is the
-stager; both run in every rank of a job, so this file keeps their start-up
+``mpistage -m mod``, ``mpistage -c code``), ``mpistage stage`` is the
+stager and ``mpistage data`` stages directories (:mod:`mpistage.data.
+command`); they run in every rank of a job, so this file keeps their start-up
 to the least: it imports mpi4py with the ``PYTHONPATH`` entries and the
 script directory off ``sys.path`` (they are searched for nothing), one rank
 per node from the shared file system and the others from its node-local
@@ -33,14 +34,20 @@ def main(argv=None):
         from mpistage.cli import unknown
 
         _sys.exit(unknown(argv[0]))
-    stager = bool(argv) and argv[0] == "stage"
+    command = argv[0] if argv and argv[0] in ("stage", "data") else None
     world = boot()
     try:
-        if stager:
+        if command == "stage":
             from mpistage.runtime.stager import main as entry
 
-            argv = argv[1:]
-            status = entry(world, argv)
+            status = entry(world, argv[1:])
+        elif command == "data":
+            from mpistage import preload
+
+            preload(world, "mpistage.data")  # rank 0 reads it, the others do not
+            from mpistage.data.command import main as entry
+
+            status = entry(world, argv[1:])
         else:
             from mpistage.runtime.runner import main as entry
 
@@ -87,7 +94,7 @@ def tool_path(argv=None):
 def looks_like_command(word):
     """Whether *word* is a mistyped subcommand rather than a script to run."""
     return (
-        word not in ("stage", "-")
+        word not in ("stage", "data", "-")
         and not word.startswith("-")
         and _os.sep not in word
         and not word.endswith(".py")

@@ -205,6 +205,14 @@ SETTINGS = _settings(
         "path.json",
     ),
     Setting(
+        "MPISTAGE_DATA",
+        paths,
+        [],
+        "directories the runner copies once per node before the program runs "
+        "(as `--data DIR`)",
+        "dir1:dir2",
+    ),
+    Setting(
         "MPISTAGE_STAGE_DIR",
         paths,
         [],
@@ -287,6 +295,14 @@ SETTINGS = _settings(
         "/var/lib/mpistage-ci/slurm",
         "the Slurm test cluster's directory (scripts/slurm-cluster, the suite, "
         "the `slurm_run` campaign)",
+        internal=True,
+    ),
+    Setting(
+        "MPISTAGE_DATA_DIR",
+        text,
+        None,
+        "set for the program by `--data` (the runner, `mpistage run`): the node's "
+        "copy of each directory, `:`-separated in the order given",
         internal=True,
     ),
     Setting(

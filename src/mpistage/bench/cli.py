@@ -3,7 +3,8 @@
 Verbs: ``simfs SRC MOUNTPOINT`` mounts the simulator, ``unmount MOUNTPOINT``
 and ``stats MOUNTPOINT`` manage it, ``generate DIR`` writes a Pynamic-like
 workload, ``run`` compares start-up modes side by side, ``data`` compares
-reads of a shared data file, ``model`` predicts start-up at scale.
+reads of a shared data file, ``weights`` loads of a checkpoint, ``model``
+predicts start-up at scale.
 """
 
 import os
@@ -17,6 +18,7 @@ VERBS = {
     "generate": "mpistage.bench.generate",
     "run": "mpistage.bench.cli",
     "data": "mpistage.bench.data",
+    "weights": "mpistage.bench.weights",
     "model": "mpistage.bench.model.cli",
 }
 
@@ -28,6 +30,7 @@ verbs:
   run       compare start-up modes side by side on a simulated shared file
             system (what `make demo` runs; docs/bench.md)
   data      compare reads of a shared data file
+  weights   compare loads of a sharded safetensors checkpoint
   model     predict start-up at 1k-128k ranks from measured inputs
   generate  write a Pynamic-like workload of generated packages
   simfs     mount the simulated shared file system: simfs SRC MOUNTPOINT

@@ -1,7 +1,9 @@
-"""``mpistage run --env BUNDLE -- LAUNCHER ... python APP ...``: the launches as one.
+"""``mpistage run --env BUNDLE --data DIR -- LAUNCHER ... python APP``: one command.
 
 Users write their launch line as always; ``mpistage run`` turns it into
-the launches of the environment path (docs/stage.md):
+the launches of the environment path (docs/stage.md), and with ``--data``
+(docs/data.md) it copies directories (a model checkpoint) once per node for
+the program, which finds them in ``MPISTAGE_DATA_DIR``:
 
 1. the stage step, exactly one task on each node of the job:
    ``(one per node) python ENV/bin/mpistage stage BUNDLE --to DIR``, started
@@ -10,10 +12,13 @@ the launches of the environment path (docs/stage.md):
    -m mpistage`` when there is none: it costs ``runpy``'s imports); in a
    Slurm allocation, ``sbcast`` and a node-local extractor instead, which
    start no Python from the shared file system
-   (:mod:`mpistage.cli.slurmstage`);
+   (:mod:`mpistage.cli.slurmstage`); with ``--data``, one more launch,
+   ``(one per node) python ENV/bin/mpistage data DIR... --to DIR.data``
+   (:mod:`mpistage.data.command`): rank 0 reads each directory once;
 2. the run step: the command itself, with its ``python`` replaced by
    ``DIR/bin/python`` and the environment ``mpistage stage`` prints
-   (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``);
+   (``PATH``, ``LD_LIBRARY_PATH``, no ``PYTHONPATH``), and
+   ``MPISTAGE_DATA_DIR`` naming the copies of ``--data``;
 3. the clean step, unless ``--keep``: ``(one per node) /bin/sh`` removing
    ``DIR`` (:data:`mpistage.cli.clean.REMOVE_STAGE`), which starts nothing
    from the shared file system. It removes only what this run made: the
@@ -47,12 +52,21 @@ def parser():
 
     p = argument_parser(
         prog="mpistage run",
-        usage="mpistage run --env BUNDLE [--to DIR] [--keep] [--trust] "
-        "-- LAUNCHER [ARG ...] python [APP ARG ...]",
-        description="Stage an environment bundle once per node, run the "
-        "command from it, and clean up: the launches as one command.",
+        usage="mpistage run (--env BUNDLE | --data DIR ...) [--to DIR] [--keep] "
+        "[--trust] -- LAUNCHER [ARG ...] python [APP ARG ...]",
+        description="Stage an environment bundle and/or data directories once "
+        "per node, run the command from them, and clean up: the launches as "
+        "one command.",
     )
-    p.add_argument("--env", required=True, metavar="BUNDLE", help="pack --env bundle")
+    p.add_argument("--env", metavar="BUNDLE", help="pack --env bundle")
+    p.add_argument(
+        "--data",
+        action="append",
+        metavar="DIR",
+        help="copy DIR (a model checkpoint) once per node, read once per job; "
+        "the run step finds it in $MPISTAGE_DATA_DIR (repeat for several: "
+        "':'-separated paths; the copies go in DIR.data beside --to's DIR)",
+    )
     p.add_argument(
         "--to",
         metavar="DIR",
@@ -78,10 +92,13 @@ def parser():
 
 def main(argv):
     """Run ``mpistage run``; return the run step's exit status."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not args.env and not args.data:
+        p.error("give --env BUNDLE, --data DIR, or both")
     plan = Plan(args)
     outer = plan.launch.allocation()
-    if outer is None and not args.trust:
+    if outer is None and args.env and not args.trust:
         check_fresh(plan.bundle, args.env)  # else the run inside salloc checks
     with Signals() as signals:
         if outer is not None:
@@ -114,10 +131,15 @@ class Plan:
         self.launch = understand(args.command, args.stage_launcher)
         self.token = _os.urandom(16).hex()  # this run's: in what its stage step makes
         self.folder = args.to or default_dir()
-        self.bundle = _os.path.abspath(args.env)
-        self.slurm = not args.stage_launcher and slurmstage.usable(
-            self.launch, self.folder
-        )
+        self.bundle = _os.path.abspath(args.env) if args.env else None
+        self.slurm = bool(self.bundle) and not args.stage_launcher
+        self.slurm = self.slurm and slurmstage.usable(self.launch, self.folder)
+        self.data = [_os.path.abspath(d) for d in args.data or ()]
+        self.data_folder = data_dir(self.folder) if self.data else None
+        if self.data:
+            from mpistage.data.command import local_paths
+
+            local_paths(self.data_folder, self.data)  # refuses a name twice
         if per_node(self.folder) and not emulated():
             raise StageError(
                 f"--to {self.folder!r}: {{node}} is for emulated nodes on one "
@@ -132,17 +154,29 @@ class Plan:
         entry = command_beside(self.launch.python)
         return [*self.launch.stage_prefix(), self.launch.python, *entry, *stage]
 
+    def data_command(self):
+        """``(one per node) python ENV/bin/mpistage data DIR... --to DIR.data``."""
+        data = ["data", *self.data, "--to", self.data_folder, "--token", self.token]
+        entry = command_beside(self.launch.python)
+        return [*self.launch.stage_prefix(), self.launch.python, *entry, *data]
+
     def stage_commands(self, scratch):
         """The launches of the stage step (Slurm: files for them go to *scratch*)."""
+        data = [self.data_command()] if self.data else []
+        if not self.bundle:
+            return data
         if not self.slurm:
-            return [self.stage_command()]
+            return [self.stage_command(), *data]
         extractor = slurmstage.write_extractor(_os.path.join(scratch, "stage.pyz"))
-        return slurmstage.commands(
+        env = slurmstage.commands(
             self.launch, self.bundle, self.folder, extractor, self.token
         )
+        return [*env, *data]
 
     def staged_python(self):
         """The command words that start this node's staged interpreter."""
+        if not self.bundle:
+            return [self.launch.python]
         if not per_node(self.folder):
             return [self.folder + "/bin/python"]
         path = self.folder.replace(NODE, node_index(self.launch.nodes()))
@@ -151,10 +185,27 @@ class Plan:
 
     def run_command(self, env):
         """The command, its ``python`` replaced by the staged one."""
-        names = ("PATH", "LD_LIBRARY_PATH", "PYTHONNOUSERSITE")
+        names = ("PATH", "LD_LIBRARY_PATH", "PYTHONNOUSERSITE", "MPISTAGE_DATA_DIR")
         exported = [name for name in names if name in env]
         tail = self.launch.command[self.launch.python_at + 1 :]
-        return [*self.launch.run_prefix(exported), *self.staged_python(), *tail]
+        python = [*self.data_words(), *self.staged_python()]
+        return [*self.launch.run_prefix(exported), *python, *tail]
+
+    def data_paths(self, node=None):
+        """``MPISTAGE_DATA_DIR``: the copies of ``--data`` (on emulated *node*)."""
+        from mpistage.data.command import joined, local_paths
+
+        folder = self.data_folder
+        if node is not None:
+            folder = folder.replace(NODE, node)
+        return joined(local_paths(folder, self.data))
+
+    def data_words(self):
+        """With one ``DIR.data`` per emulated node: each rank's, set in its shell."""
+        if not self.data or not per_node(self.data_folder):
+            return []
+        paths = self.data_paths(node_index(self.launch.nodes()))
+        return ["sh", "-c", f'MPISTAGE_DATA_DIR="{paths}" exec "$@"', "python"]
 
     def run_environ(self):
         """The environment of the run step: the staged one (``stager.staged_environ``).
@@ -164,10 +215,16 @@ class Plan:
         """
         from mpistage.runtime.stager import UNSET, staged_environ
 
-        if not per_node(self.folder):
-            return staged_environ(self.folder, _os.environ)
-        env = {k: v for k, v in _os.environ.items() if k not in UNSET}
-        return dict(env, PYTHONNOUSERSITE="1")
+        if not self.bundle:
+            env = dict(_os.environ)
+        elif not per_node(self.folder):
+            env = staged_environ(self.folder, _os.environ)
+        else:
+            env = {k: v for k, v in _os.environ.items() if k not in UNSET}
+            env["PYTHONNOUSERSITE"] = "1"
+        if self.data and not per_node(self.data_folder):
+            env["MPISTAGE_DATA_DIR"] = self.data_paths()
+        return env
 
     def clean_command(self):
         """``(one per node) /bin/sh -c REMOVE_STAGE mpistage-clean TOKEN DIR``.
@@ -178,22 +235,28 @@ class Plan:
         from mpistage.cli.clean import REMOVE_STAGE
 
         shell = ["/bin/sh", "-c", REMOVE_STAGE, "mpistage-clean", self.token]
+        folders = self.folders()
         if self.slurm:
-            inputs = slurmstage.inputs(self.folder)
-            return [*self.launch.per_node(), *shell, self.folder, inputs]
+            folders.append(slurmstage.inputs(self.folder))
         if not per_node(self.folder):
-            return [*self.launch.per_node(), *shell, self.folder]
+            return [*self.launch.per_node(), *shell, *folders]
         nodes = range(self.launch.nodes())
-        return [*shell, *(node_dir(self.folder, n) for n in nodes)]
+        return [*shell, *(node_dir(f, n) for f in folders for n in nodes)]
+
+    def folders(self):
+        """The node-local directories the stage step makes: ``DIR``, ``DIR.data``."""
+        made = [self.folder] if self.bundle else []
+        return made + ([self.data_folder] if self.data else [])
 
     def clean_parent(self):
         """Remove the parent of ``.../n{node}`` that the stage step made, if empty."""
-        parent = _os.path.dirname(self.folder)
-        if per_node(self.folder) and not per_node(parent):
-            try:
-                _os.rmdir(parent)
-            except OSError:
-                pass  # Not empty, or never made: not ours to remove.
+        for folder in self.folders():
+            parent = _os.path.dirname(folder)
+            if per_node(folder) and not per_node(parent):
+                try:
+                    _os.rmdir(parent)
+                except OSError:
+                    pass  # Not empty, or never made: not ours to remove.
 
 
 def describe(command):
@@ -480,6 +543,20 @@ def stdout(name):
 def error(message):
     """Print one ``mpistage: error:`` line."""
     print(f"mpistage: error: {message}", file=_sys.stderr, flush=True)
+
+
+def data_dir(folder):
+    """Where ``--data`` copies go: ``DIR.data`` beside the environment's ``DIR``.
+
+    With ``DIR/n{node}`` (emulated nodes), ``DIR.data/n{node}``. The default
+    name starts as the environment's does (``mpistage-env-UID-``), so a job
+    that died before its clean step leaves nothing a later job's stage step
+    or ``mpistage clean`` would not find (:mod:`mpistage.runtime.envreap`).
+    """
+    parent, name = _os.path.split(folder.rstrip("/"))
+    if name == f"n{NODE}":
+        return f"{parent}.data/{name}"
+    return f"{folder.rstrip('/')}.data"
 
 
 def default_dir():

@@ -6,8 +6,14 @@
     with data.read("/scratch/big.bin", comm=comm) as buf:  # a SharedBuffer
         digest = hashlib.sha256(buf).hexdigest()  # bytes-like, read-only
     weights = data.load("/scratch/weights.npy", comm=comm)  # a read-only ndarray
+    with data.staged_dir("/scratch/model", comm=comm) as local:  # a node-local path
+        model = from_pretrained(local)
+    tensors = data.tensors("/scratch/model", comm=comm)  # safetensors, as arrays
 
-Both calls are collective over *comm* and run the same steps on every rank
+``staged_dir`` and ``tensors`` copy directories and safetensors
+checkpoints into a node's place (:mod:`~mpistage.data.dirs`,
+:mod:`~mpistage.data.weights`). ``read`` and ``load``, the two calls
+described here, are collective over *comm* and run the same steps on every rank
 (see docs/data.md):
 
 - arguments: every rank must pass the same ones (path, readers, io, and
@@ -38,8 +44,18 @@ the same ranks, or at interpreter exit, always before MPI is finalized.
 
 import sys as _sys
 
-__all__ = ["SharedArray", "SharedBuffer", "load", "read"]  # noqa: F822 (lazy)
+__all__ = [  # noqa: F822 (lazy)
+    "SharedArray",
+    "SharedBuffer",
+    "StagedDir",
+    "load",
+    "read",
+    "staged_dir",
+    "tensors",
+]
 
+
+NODE_MODULES = ("__init__", "launch", "place", "cleanup")
 
 # -- the public API -------------------------------------------------------------
 
@@ -88,6 +104,43 @@ def load(
     return array.on_copy(job.segment, job.view, job.path, job.seconds, meta)
 
 
+def staged_dir(path, comm=None, *, include=None):
+    """Stage the directory *path* once per node; return a :class:`StagedDir`.
+
+    Collective. Rank 0 reads every file below *path* (those matching the
+    glob patterns *include*, if given) once, the files travel as one stream
+    to each node leader, which writes them into the node's copy. ``with
+    staged_dir(path) as local:`` gives on every rank the node-local path
+    of the same tree; the copy is removed when the block ends.
+    """
+    comm = _load(comm)
+    from mpistage import preload
+
+    preload(comm, "mpistage.node", NODE_MODULES)  # the leaders' place rules
+    from mpistage.data import dirs
+
+    return dirs.stage(comm, path, include)
+
+
+def tensors(path, comm=None, *, framework="np"):
+    """Return the tensors of a safetensors checkpoint, one copy per node (collective).
+
+    *path* is a ``.safetensors`` file, or a directory with an index
+    (``model.safetensors.index.json``; or one ``model.safetensors``). The
+    files are staged once per node, their headers checked on rank 0, and
+    every rank gets a :class:`~mpistage.data.weights.Tensors` dict of
+    read-only numpy arrays (``framework="pt"``: torch tensors) that view
+    the node's copy.
+    """
+    comm = _load(comm)
+    from mpistage import preload
+
+    preload(comm, "mpistage.node", NODE_MODULES)
+    from mpistage.data import weights
+
+    return weights.load(comm, path, framework)
+
+
 def _load(comm):
     """Return *comm* (default: world); load this package's steps on its ranks.
 
@@ -111,6 +164,10 @@ def __getattr__(name):
         from mpistage.data.arrays import array_type
 
         return array_type()
+    if name == "StagedDir":
+        from mpistage.data.dirs import StagedDir
+
+        return StagedDir
     if name in ("IO_METHODS", "MPIIO_HINTS"):
         from mpistage.data import steps
 

@@ -32,6 +32,10 @@ options:
                   (distributions, directories, files no distribution owns),
                   files (every file's size and mtime) or strict (checksums)
   --trust         skip the staleness check
+  --data DIR      copy the directory DIR (a model checkpoint) once per node
+                  before the program runs, read once per job; the program
+                  finds the node's copy in $MPISTAGE_DATA_DIR (repeat for
+                  several: ':'-separated; default: $MPISTAGE_DATA)
   --keep          keep the node places after the job
   --report        print a summary of the job on rank 0 (stderr)
   --version       print the version and exit
@@ -43,13 +47,14 @@ environment:
 tools: mpistage {%s} --help"""
 
 FORWARD_PAUSE = 0.1  # seconds for the launcher to forward a failing rank's output
-VALUED = ("--bundle", "--cache-dir", "--validate")
+VALUED = ("--bundle", "--cache-dir", "--validate", "--data")
 SWITCHES = ("--keep", "--report", "--auto")
 
 
 class Options:
     """Runner options, from the command line and the environment."""
 
+    data = ()
     bundle = None
     auto = False
     cache_dir = None
@@ -87,6 +92,7 @@ def parse(argv):
         usage_error("--auto and --bundle exclude each other")
     if not options.auto:
         options.bundle = options.bundle or settings.get("MPISTAGE_BUNDLE")
+    options.data = options.data or settings.get("MPISTAGE_DATA")
     return options, args
 
 
@@ -106,6 +112,7 @@ def take_option(options, args):
             value = args.pop(0) if args else ""
         if not value:
             usage_error(f"{opt} needs a value")
+        value = [*options.data, value] if opt == "--data" else value  # repeated
         setattr(options, opt[2:].replace("-", "_"), value)
     elif opt in SWITCHES and not eq:
         setattr(options, opt[2:], True)
@@ -128,6 +135,7 @@ class Runner:
     def __init__(self, world, options, args):
         self.world, self.options, self.args = world, options, list(args)
         self.session = self.recorder = self.auto = self.watch = self.learn = None
+        self.data = []
         self.status, self.ended, self.cancel_watch = 0, False, None
         self.seconds, self.live = {}, None
 
@@ -144,6 +152,7 @@ class Runner:
         begun = _time.perf_counter()
         topology = attempt(self.world, discover, self.world)
         self.seconds["topology"] = _time.perf_counter() - begun
+        self.stage_data()
         bundle = self.auto_bundle() if self.options.auto else self.options.bundle
         self.session = self.new_session(bundle, topology)
         import_runpy(self.args)
@@ -159,6 +168,16 @@ class Runner:
             from mpistage.runtime.report import Watch
 
             self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+
+    def stage_data(self):
+        """``--data``: :func:`mpistage.data.dirs.for_program`, before any import
+        is served (:mod:`mpistage.data` is not imported through the finders)."""
+        if self.options.data:
+            from mpistage.data import dirs
+
+            begun = _time.perf_counter()
+            self.data = dirs.for_program(self.world, self.options.data)
+            self.seconds["data"] = _time.perf_counter() - begun
 
     def say_off_path(self):
         """Rank 0: say in one line if none of the bundle's roots is on ``sys.path``.
@@ -326,6 +345,8 @@ class Runner:
         self.wrap_up()
         if self.live is not None:
             self.live.release()
+        for copy in self.data:
+            copy.close()  # collective on each node, as the session's end
         self.session.close()
 
     def wrap_up(self):

@@ -25,7 +25,8 @@ seconds of each step; docs/scale.md has the same equations), :mod:`.inputs`
 (the built-in inputs and the ones given by hand), :mod:`.measured` (a
 ``mpistage bench run`` results file, one row per cell), :mod:`.fit` (a mode's
 local costs fitted from its 1-rank cell), :mod:`.tables` (the printed
-tables), :mod:`.validation` (the model against measured totals),
+tables), :mod:`.weights` (a checkpoint onto every node, ``--weights``),
+:mod:`.validation` (the model against measured totals),
 :mod:`.seeds` (the model against published figures), :mod:`.plot` and
 :mod:`.cli` (``mpistage bench model``). Standard library only; matplotlib is
 imported for ``--plot`` alone.

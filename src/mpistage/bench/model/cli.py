@@ -63,6 +63,14 @@ def parser():
     )
     p.add_argument("--modes", default=",".join(MODES), help="(%(default)s)")
     p.add_argument("--plot", metavar="PNG", help="save time against ranks")
+    p.add_argument(
+        "--weights",
+        metavar="SIZE",
+        help="also model a checkpoint of SIZE (e.g. 140GB) onto every node",
+    )
+    p.add_argument(
+        "--shards", type=int, default=30, help="the checkpoint's shards (30)"
+    )
     machine_flags(p)
     return p
 
@@ -184,6 +192,14 @@ def run_prediction(args):
     print(inputs_table(inputs, modes))
     for note in notes:
         print(f"note: {note}")
+    if args.weights:
+        from mpistage.bench.model.weights import weights_table
+
+        size = parse_size(args.weights, "--weights")
+        if not size > 0 or args.shards < 1:
+            raise StageError("--weights and --shards must be > 0")
+        print()
+        print(weights_table(size, args.shards, ranks, machine))
     if args.plot:
         plot(inputs, modes, ranks, machine, args.plot)
         print(f"\nwrote {args.plot}")

@@ -275,7 +275,11 @@ def victims_shm(victim):
 
 
 def remove_victims_shm(victim):
-    """Remove whatever the victim has in each node's /dev/shm."""
+    """End the victim's jobs; remove whatever it has in each node's /dev/shm.
+
+    A job whose ``salloc`` was killed outright would hold the nodes.
+    """
+    run(["scancel", "-u", victim.name], env=launcher_env(), timeout=30)
     for node in NODES:
         on_node(node, "find", "/dev/shm", "-mindepth", "1", "-maxdepth", "1",
                 "-user", str(victim.uid), "-exec", "rm", "-rf", "{}", "+")  # fmt: skip
@@ -352,8 +356,8 @@ def test_srun_bcast_as_an_ordinary_user_reads_once_and_leaves_nothing(
         assert victims_shm(victim) == {n: [] for n in NODES}
     finally:
         finish(proc, timeout=30)
-        victim.kill_all()
         remove_victims_shm(victim)
+        victim.kill_all()
 
 
 def test_two_steps_broadcast_at_once_each_under_its_own_name(slurm, victim, victims):
@@ -381,8 +385,8 @@ def test_two_steps_broadcast_at_once_each_under_its_own_name(slurm, victim, vict
         first, second = results_of(victims / "out", 2), results_of(victims / "out2", 2)
         assert first[0]["executable"] != second[0]["executable"], (first, second)
     finally:
-        victim.kill_all()
         remove_victims_shm(victim)
+        victim.kill_all()
 
 
 # -- Open MPI -----------------------------------------------------------------------

@@ -324,7 +324,9 @@ def test_copy_goes_with_the_job(tmp_path, stage_env, stage_dir, checkpoint, abor
     paths = {out["path"] for out in results(env, 4)}
     assert len(paths) == 2
     deadline = time.monotonic() + 10
-    while any(Path(p).exists() for p in paths) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (  # renamed first, then removed
+        any(Path(p).exists() for p in paths) or job_dirs(stage_dir)
+    ):
         time.sleep(0.05)
     assert not any(Path(p).exists() for p in paths)
     assert job_dirs(stage_dir) == []

@@ -481,7 +481,7 @@ def test_open_mpi_mpirun(ompi, shared_ompi, app, out, tmp_path, line, ranks, emu
         assert not (tmp_path / "stage").exists()
     else:
         assert_on_own_node(results, staged_dir(results))
-    assert local_stages() == before
+    assert local_stages() - before == set()  # a dead one of before may be reaped
 
 
 def test_open_mpi_in_an_allocation(slurm, ompi, shared_ompi, app, out):
@@ -686,7 +686,7 @@ def test_failed_stage_step_still_cleans(slurm, env_bundle, shared, app, out):
         )
         assert result.returncode == 1, result
         lines = errors(result.stderr)
-        assert "not empty" in lines[0] and "the stage step failed" in lines[-1], result
+        assert len(lines) == 1 and "not empty" in lines[0], result  # said once
         assert list(out.iterdir()) == []
         assert not shm_exists("n1", folder)
         kept = on_node("n2", "cat", f"{folder}/notes")

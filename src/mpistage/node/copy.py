@@ -9,8 +9,8 @@
   before they are loaded, and loaded from the copy, by this rank too, so
   every rank of the node maps the same files (:class:`Copier`);
 - an extension module of a package takes along the rest of the package's
-  directory (``__pycache__`` aside): its ``__file__`` is in the copy, and
-  what the package reaches beside it must be there as in the original
+  directory (``__pycache__`` included): its ``__file__`` is in the copy,
+  and what the package reaches beside it must be there as in the original
   (mpi4py's ``libmpi.pxd``, ``mpi.cfg`` behind ``get_config()``,
   ``include/`` behind ``get_include()``); a directory too big to copy
   whole leaves the extension module where it is;

@@ -50,15 +50,18 @@ class Originals:
             _os.close(fd)
 
     def tree_files(self, folder, depth, most, found=None):
-        """Return the files below *folder* but ``__pycache__``; None past the bounds."""
+        """Return the files below *folder*, ``__pycache__`` too; None past the bounds.
+
+        Bytecode goes along so that the copy's directory lists as the
+        original's does (a program sees ``__pycache__`` beside a module
+        there with plain python too).
+        """
         found = [] if found is None else found
         entries = self.listing(folder)
         if entries is None or depth == 0:
             return None
         for name, is_dir in sorted(entries.items()):
             path = f"{folder}/{name}"
-            if name == "__pycache__":
-                continue
             if is_dir:
                 if self.tree_files(path, depth - 1, most, found) is None:
                     return None

@@ -76,6 +76,7 @@ class BundledRoot:
         self.names = module_names(listing)
         self.partial, self.owned = dict(partial or {}), frozenset(owned)
         self.stdlib, self.unbundled_dists = stdlib, False
+        self.found_names, self.whole_top = {}, None
 
     def names_in(self, rel):
         """The names a lookup in directory *rel* of this root may find in the original.
@@ -89,14 +90,48 @@ class BundledRoot:
 
         if rel not in self.partial:
             return frozenset()
-        found = self.partial[rel]
-        if isinstance(found, list):
-            found = self.partial[rel] = frozenset(module_names(found))
-        return found
+        if rel not in self.found_names:
+            found = self.partial[rel]
+            self.found_names[rel] = None if found is None else frozenset(
+                module_names(found)
+            )
+        return self.found_names[rel]
 
     def transparent(self, rel):
         """Whether the source file *rel* keeps its original ``__file__``."""
         return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
+
+    def shows_original(self, rel):
+        """Whether what is in directory *rel* shows its original path.
+
+        So it does where the copy's directory lists less than the
+        original's (a directory the bundle holds in part: test directories
+        left out, ``--exclude``, a recorded bundle's files; the root itself,
+        unless the bundle holds all of it): a program that lists, globs or
+        opens what is beside a module there finds what plain python finds.
+        """
+        if rel:
+            return rel in self.partial
+        if self.whole_top is None:
+            self.whole_top = self.holds_all_of_top()
+        return not self.whole_top
+
+    def holds_all_of_top(self):
+        """Whether the copy of the root lists every entry the original's does."""
+        if self.staged is None:
+            return False
+        copy = _listings.local_listing(self.staged) or ()
+        held = {_listings.entry_name(e) for e in copy}
+        return all(e.rstrip("/") in held for e in self.listing)
+
+    def staged_path(self, path):
+        """Where the original *path* below this root is read from now.
+
+        The copy while the bundle is active; afterwards the original itself.
+        """
+        if self.staged is None or not path.startswith(self.path + _os.sep):
+            return path
+        return self.staged + path[len(self.path) :]
 
     def metadata_paths(self):
         """Where ``importlib.metadata`` looks for this root's distributions."""
@@ -144,12 +179,33 @@ class StagedFinder(_finders.ServingFinder):
         return None
 
     def keeps_original(self, path):
-        """Whether the source *path* keeps its original ``__file__``."""
-        return self.root.transparent(path[len(self.root.path) + 1 :])
+        """Whether the module *path* keeps its original ``__file__``.
+
+        Sources no distribution owns do, and so does every module of a
+        directory whose copy lists less than the original
+        (:meth:`BundledRoot.shows_original`).
+        """
+        rel = path[len(self.root.path) + 1 :]
+        return self.root.transparent(rel) or self.root.shows_original(
+            _os.path.dirname(rel)
+        )
 
     def source_loader(self, fullname, path):
         """The loader of a source that keeps its original ``__file__``."""
         return TransparentLoader(fullname, path, self.root)
+
+    def staged_path(self, path):
+        """Where a module shown at its original *path* is read from now."""
+        return self.root.staged_path(path)
+
+    def package_dir(self, folder):
+        """Where a namespace portion at the original *folder* searches.
+
+        Its original where the copy's directory lists less than it does.
+        """
+        if self.root.shows_original(folder[len(self.root.path) + 1 :]):
+            return folder
+        return self.copy(folder)
 
     def below(self, path):
         """Return the finder of a directory *path* inside this root, or ``None``.
@@ -168,12 +224,24 @@ class StagedFinder(_finders.ServingFinder):
         return StagedFinder(self.root, path, inside, self.root.names_in(rel))
 
     def entries(self):
-        """The directory's entries: the root's recorded listing, else the copy's."""
+        """The directory's entries, as the original's.
+
+        The root's and those of directories held in part come from the
+        listings recorded in the bundle (the original's, when none was);
+        a directory held whole lists as its copy.
+        """
         from mpistage.runtime.roots import listing
 
-        if self.path == self.root.path:
-            return self.root.listing
-        return self.listing(self.path) if self.staged else listing(self.path)
+        root = self.root
+        if self.path == root.path:
+            return root.listing
+        rel = self.path[len(root.path) + 1 :]
+        if self.staged is None or not self.path.startswith(root.path + _os.sep):
+            return listing(self.path)
+        if rel in root.partial:
+            recorded = root.partial[rel]
+            return recorded if recorded is not None else listing(self.path)
+        return self.listing(self.path)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module.
@@ -222,17 +290,20 @@ class TransparentLoader(_finders.CopyLoader):
 
     def staged_path(self, path):
         """Map a path below the original root to the staged copy."""
-        head = self.root.path + _os.sep
-        if self.root.staged is None or not path.startswith(head):
-            return path  # activation has ended: the original is what there is
-        return self.root.staged + path[len(self.root.path) :]
+        return self.root.staged_path(path)  # the original once activation ended
 
     def get_resource_reader(self, name):
-        """Serve ``importlib.resources`` of the package from the staged copy."""
+        """Serve ``importlib.resources`` of the package from the staged copy.
+
+        A package whose copy lists less than its original is read where
+        plain python reads it, so that its resources list as they do there.
+        """
         from importlib.resources.readers import FileReader
 
         reader = FileReader(self)
-        reader.path = type(reader.path)(self.staged_path(str(reader.path)))
+        folder = str(reader.path)
+        if not self.root.shows_original(folder[len(self.root.path) + 1 :]):
+            reader.path = type(reader.path)(self.staged_path(folder))
         return reader
 
 

@@ -347,7 +347,6 @@ def write_json(path, data):
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
-    from mpistage.runtime.activate import TransparentLoader
     from mpistage.runtime.roots import in_stdlib
 
     served, missed, stdlib = [], [], []
@@ -359,10 +358,16 @@ def classify(activation):
             continue
         if not origin or not _os.path.isabs(origin):
             continue
-        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
+        if read_from(spec, origin).startswith(root):
             served.append(name)
         elif in_stdlib(origin):
             stdlib.append(name)
         else:
             missed.append(name)
     return {"served": served, "missed": missed, "stdlib": stdlib}
+
+
+def read_from(spec, origin):
+    """Where the module of *spec* was read from (a copy, for one shown as original)."""
+    staged_path = getattr(spec.loader, "staged_path", None)
+    return staged_path(origin) if callable(staged_path) else origin

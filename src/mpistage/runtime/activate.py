@@ -76,7 +76,7 @@ class BundledRoot:
         self.names = module_names(listing)
         self.partial, self.owned = dict(partial or {}), frozenset(owned)
         self.stdlib, self.unbundled_dists = stdlib, False
-        self.found_names, self.whole_top = {}, None
+        self.found_names, self.shortness, self.inside = {}, {}, None
 
     def names_in(self, rel):
         """The names a lookup in directory *rel* of this root may find in the original.
@@ -92,8 +92,8 @@ class BundledRoot:
             return frozenset()
         if rel not in self.found_names:
             found = self.partial[rel]
-            self.found_names[rel] = None if found is None else frozenset(
-                module_names(found)
+            self.found_names[rel] = (
+                None if found is None else frozenset(module_names(found))
             )
         return self.found_names[rel]
 
@@ -104,25 +104,37 @@ class BundledRoot:
     def shows_original(self, rel):
         """Whether what is in directory *rel* shows its original path.
 
-        So it does where the copy's directory lists less than the
-        original's (a directory the bundle holds in part: test directories
-        left out, ``--exclude``, a recorded bundle's files; the root itself,
-        unless the bundle holds all of it): a program that lists, globs or
-        opens what is beside a module there finds what plain python finds.
+        So it does where the copy's tree there lists less than the
+        original's: a directory the bundle holds in part whose copy lacks
+        entries of the original (test directories left out, ``--exclude``,
+        files a recorded run did not use), one above such a directory, and
+        the root itself unless its copy has all of it. A program that lists,
+        walks, globs or opens what is beside a module there then finds what
+        plain python finds.
         """
-        if rel:
-            return rel in self.partial
-        if self.whole_top is None:
-            self.whole_top = self.holds_all_of_top()
-        return not self.whole_top
+        if self.inside is None:
+            self.inside = held_in_part(self.partial)
+        if not rel and self.short(""):
+            return True
+        return any(self.short(found) for found in self.inside.get(rel, ()))
 
-    def holds_all_of_top(self):
-        """Whether the copy of the root lists every entry the original's does."""
-        if self.staged is None:
-            return False
-        copy = _listings.local_listing(self.staged) or ()
-        held = {_listings.entry_name(e) for e in copy}
-        return all(e.rstrip("/") in held for e in self.listing)
+    def short(self, rel):
+        """Whether the copy of directory *rel* lacks an entry of the original's.
+
+        Asked of the copy once (a node-local listing), against the listing
+        recorded in the bundle; without one, assumed so.
+        """
+        if rel not in self.shortness:
+            recorded = self.partial.get(rel) if rel else self.listing
+            copy = None
+            if self.staged is not None and recorded is not None:
+                copy = _listings.local_listing(_os.path.join(self.staged, rel))
+            if copy is None or copy is False:  # unknown, or no directory there
+                self.shortness[rel] = True
+            else:
+                held = {_listings.entry_name(e) for e in copy}
+                self.shortness[rel] = any(e.rstrip("/") not in held for e in recorded)
+        return self.shortness[rel]
 
     def staged_path(self, path):
         """Where the original *path* below this root is read from now.
@@ -137,6 +149,25 @@ class BundledRoot:
         """Where ``importlib.metadata`` looks for this root's distributions."""
         found = [self.staged] if self.staged else []
         return found + [self.path] if self.unbundled_dists else found
+
+
+def held_in_part(partial):
+    """Map each directory to the directories held in part at or below it.
+
+    The root is ``""``. ``__pycache__`` is Python's own cache, which no
+    listing records and no program looks into: it is left out.
+    """
+    inside = {}
+    for found in partial:
+        if "__pycache__" in found.split("/"):
+            continue
+        above = found
+        while True:
+            inside.setdefault(above, []).append(found)
+            if not above:
+                break
+            above = _os.path.dirname(above)
+    return inside
 
 
 class StagedFinder(_finders.ServingFinder):

@@ -27,6 +27,7 @@ STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run"
 
 SHOWN = 20  # missed module names the screen report lists
 KINDS = ("modules", "metadata", "data", "listings")
+METADATA = (".dist-info", ".egg-info")  # a distribution's directory
 BESIDE = ("data", "listings")  # what is read beside the modules, named
 NAMED = 5  # paths of each kind the screen report names
 KEPT = 50  # distinct paths of each kind a rank keeps for the report
@@ -119,10 +120,10 @@ def kind_of(event, path):
     """Return the kind of an access: modules, metadata, data or listings."""
     from mpistage.runtime.roots import import_suffixes
 
+    if path.endswith(METADATA) or ".dist-info/" in path or ".egg-info/" in path:
+        return "metadata"
     if event != "open":
         return "listings"
-    if ".dist-info/" in path or ".egg-info/" in path:
-        return "metadata"
     if path.endswith(import_suffixes() + (".pyc",)):
         return "modules"
     return "data"

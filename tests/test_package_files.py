@@ -4,15 +4,17 @@ mpi4py keeps files beside its modules: ``libmpi.pxd`` (mpi4py's own tests
 read it next to ``MPI.__file__``), ``mpi.cfg`` (``get_config()``) and
 ``include/`` (``get_include()``). The node boot's copy of ``MPI`` has its
 ``__file__`` in the node's place, so the place holds the package's
-directory too, ``__pycache__`` included.
+directory too (its ``__pycache__`` empty).
 
 numpy's directories, as a bundle with ``pack``'s defaults holds them, lack
 ``tests/``, and the live copy holds only what was asked for: a program that
 lists, globs, walks or opens what is beside a module, or asks
 ``pkgutil.iter_modules`` and ``importlib.resources``, must still get plain
-python's answers (:data:`BESIDE`), on every rank, with live imports,
-``--bundle`` (pack's defaults, and an ``--exclude``), both ``--auto`` runs
-and ``mpistage-env``. Each runner mode runs on 2 ranks and 2 emulated nodes.
+python's answers (:data:`BESIDE`), and every numpy module's ``__file__``
+must lie below ``numpy.__file__``'s directory, on every rank, with live
+imports, ``--bundle`` (pack's defaults, and an ``--exclude``), both
+``--auto`` runs and ``mpistage-env``. Each runner mode runs on 2 ranks and
+2 emulated nodes.
 """
 
 import json
@@ -104,7 +106,7 @@ def test_mpi4py_finds_its_own_files_in_every_mode(tmp_path, stage_env, bundle, m
 
 BESIDE = """\
 import glob, hashlib, importlib.resources, os, pkgutil
-import numpy, numpy.linalg, numpy.random._generator
+import numpy, numpy._utils, numpy.linalg, numpy.random._generator
 from numpy._core import _multiarray_umath
 from mpi4py import MPI
 
@@ -126,6 +128,8 @@ walked = [os.path.relpath(os.path.join(d, n), top)
           for d, dirs, names in os.walk(top) for n in names
           if "__pycache__" not in d]
 emit({
+    "files": [os.path.relpath(m.__file__, top) for m in (  # all below numpy/
+        numpy._utils, numpy.linalg, _multiarray_umath, numpy.random._generator)],
     "beside": {name: beside(m) for name, m in (
         ("numpy", numpy), ("linalg", numpy.linalg),
         ("umath", _multiarray_umath), ("generator", numpy.random._generator),

@@ -32,14 +32,19 @@ recorded in the manifest), so a module the bundle does not hold is found
 exactly where plain python finds it.
 
 Which ``__file__`` a served module gets: files that an installed
-distribution owns (site-packages) are served with their staged paths, so C
-extensions find their ``$ORIGIN`` libraries and data read relative to
-``__file__`` is node-local too. Source files no distribution owns (the
-script's directory, ``--path`` trees, a package under development, test
-files) and the standard library's keep their original ``__file__``: pytest
-and coverage compare it with files they find on disk, and coverage knows
-the standard library by its place. Their bytes still come from the staged
-copy (:class:`TransparentLoader`).
+distribution owns (site-packages), of a top-level package the bundle holds
+whole, are served with their staged paths, so data read relative to
+``__file__`` is node-local too. The others keep their original
+``__file__``, their bytes still from the staged copy
+(:class:`TransparentLoader`, and the loaders of bytecode and extensions of
+:mod:`~mpistage.runtime.finders`, which map an extension from the copy,
+where its ``$ORIGIN`` libraries are): source files no distribution owns
+(the script's directory, ``--path`` trees, a package under development,
+test files) and the standard library's, since pytest and coverage compare
+``__file__`` with files they find on disk and coverage knows the standard
+library by its place; and every module of a package the bundle holds in
+part (:meth:`BundledRoot.shows_original`), so that what a program finds
+beside a module is what plain python finds.
 
 A library that ``ctypes`` is asked to load by the path of its original
 below a bundled root (torch preloads CUDA libraries it finds along
@@ -104,19 +109,21 @@ class BundledRoot:
     def shows_original(self, rel):
         """Whether what is in directory *rel* shows its original path.
 
-        So it does where the copy's tree there lists less than the
-        original's: a directory the bundle holds in part whose copy lacks
-        entries of the original (test directories left out, ``--exclude``,
-        files a recorded run did not use), one above such a directory, and
-        the root itself unless its copy has all of it. A program that lists,
-        walks, globs or opens what is beside a module there then finds what
-        plain python finds.
+        So does all of a top-level package whose copy lists less than its
+        original anywhere in its tree (test directories left out,
+        ``--exclude``, files a recorded run did not use), and the root
+        itself unless its copy has all of it. A program that lists, walks,
+        globs or opens what is beside a module there then finds what plain
+        python finds; and a package's modules all lie below its directory,
+        as code that finds its own frames by path expects (pandas' stack
+        levels of warnings).
         """
         if self.inside is None:
             self.inside = held_in_part(self.partial)
         if not rel and self.short(""):
             return True
-        return any(self.short(found) for found in self.inside.get(rel, ()))
+        top = rel.split("/", 1)[0]
+        return any(self.short(found) for found in self.inside.get(top, ()))
 
     def short(self, rel):
         """Whether the copy of directory *rel* lacks an entry of the original's.

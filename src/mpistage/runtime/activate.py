@@ -107,7 +107,7 @@ class BundledRoot:
         return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
 
     def shows_original(self, rel):
-        """Whether what is in directory *rel* shows its original path.
+        """Whether the modules in directory *rel* show their original paths.
 
         So does all of a top-level package whose copy lists less than its
         original anywhere in its tree (test directories left out,
@@ -220,7 +220,7 @@ class StagedFinder(_finders.ServingFinder):
         """Whether the module *path* keeps its original ``__file__``.
 
         Sources no distribution owns do, and so does every module of a
-        directory whose copy lists less than the original
+        top-level package the bundle holds in part
         (:meth:`BundledRoot.shows_original`).
         """
         rel = path[len(self.root.path) + 1 :]
@@ -239,7 +239,7 @@ class StagedFinder(_finders.ServingFinder):
     def package_dir(self, folder):
         """Where a namespace portion at the original *folder* searches.
 
-        Its original where the copy's directory lists less than it does.
+        Its original where its package shows its originals.
         """
         if self.root.shows_original(folder[len(self.root.path) + 1 :]):
             return folder
@@ -333,8 +333,8 @@ class TransparentLoader(_finders.CopyLoader):
     def get_resource_reader(self, name):
         """Serve ``importlib.resources`` of the package from the staged copy.
 
-        A package whose copy lists less than its original is read where
-        plain python reads it, so that its resources list as they do there.
+        A package shown at its original is read where plain python reads
+        it, so that its resources list as they do there.
         """
         from importlib.resources.readers import FileReader
 

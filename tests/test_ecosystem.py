@@ -340,27 +340,36 @@ if MPI.COMM_WORLD.rank == 1:
     import othermod
 with open(os.path.join(os.environ["SITE"], "notes.txt")) as f:
     f.read()
+os.listdir(os.path.dirname(tinypkg.__file__))
 emit(MPI.COMM_WORLD.rank)
 """
 
 
-def test_report_counts_reads_of_the_originals(tmp_path, tiny_env, tiny):
+@pytest.mark.parametrize("mode", ["bundle", "live"])
+def test_report_counts_and_names_reads_of_the_originals(tmp_path, tiny_env, tiny, mode):
     (tiny["site"] / "notes.txt").write_text("data beside the packages\n")
     try:
         script = write_target(tmp_path / "app.py", READER_APP)
         env = dict(tiny_env, SITE=str(tiny["site"]))
+        options = ["--bundle", tiny["bundle"]] if mode == "bundle" else []
         result, facts = replay(
-            2,
-            ["--bundle", tiny["bundle"], "--report"],
-            script,
-            env,
-            tmp_path / "r.json",
+            2, [*options, "--report"], script, env, tmp_path / "r.json"
         )
         facts = need_report(result, facts)
     finally:
         (tiny["site"] / "notes.txt").unlink()
-    assert facts["original_accesses"]["data"] == 2, facts  # one per rank
-    assert facts["original_accesses"]["modules"] >= 1, facts  # othermod on rank 1
+    accesses = facts["original_accesses"]
+    assert accesses["data"] == 2, facts  # one per rank
+    notes = str(tiny["site"] / "notes.txt")
+    assert accesses["beside"]["data"] == [[notes, 2]], accesses
+    assert f"read beside the modules, in {tiny['site']}: notes.txt (2)" in (
+        result.stderr
+    )
+    if mode == "live":  # tinypkg shows its original: its directory is listed there
+        pkg = str(tiny["site"] / "tinypkg")
+        assert [pkg, 2] in accesses["beside"]["listings"], accesses
+        return
+    assert accesses["modules"] >= 1, facts  # othermod on rank 1
     assert facts["modules"]["missed_on_ranks"] == [1], facts
     hints = [line for line in result.stderr.splitlines() if "hint:" in line]
     assert hints and "ranks other than 0" in hints[0] and "--auto" in hints[0]

@@ -111,7 +111,7 @@ line = json.dumps({
     "version": numpy.__version__,
 })
 print(line)
-emit({"line": line, "numpy": numpy.__file__, "linalg": numpy.linalg.__file__})
+emit({"line": line, "numpy": where(numpy), "linalg": where(numpy.linalg)})
 """
 
 

@@ -9,8 +9,8 @@
   before they are loaded, and loaded from the copy, by this rank too, so
   every rank of the node maps the same files (:class:`Copier`);
 - an extension module of a package takes along the rest of the package's
-  directory (``__pycache__`` aside): its ``__file__`` is in the copy, and
-  what the package reaches beside it must be there as in the original
+  directory (``__pycache__`` made, empty): its ``__file__`` is in the copy,
+  and what the package reaches beside it must be there as in the original
   (mpi4py's ``libmpi.pxd``, ``mpi.cfg`` behind ``get_config()``,
   ``include/`` behind ``get_include()``); a directory too big to copy
   whole leaves the extension module where it is;
@@ -390,11 +390,16 @@ class Copier:
         return self.taken[path]
 
     def put_all(self, plan):
-        """Write the copies of *plan*; on failure remove those written, and raise."""
+        """Write the copies of *plan* (``None``: a directory, made empty).
+
+        On failure the files written are removed again, and it raises.
+        """
         written = []
         try:
             for original, data in plan.items():
-                if original not in self.taken:
+                if data is None:  # a directory, made empty
+                    self.copy_dir(f"{FILES}{original.rstrip('/')}")
+                elif original not in self.taken:
                     self.put(original, data)
                     written.append(original)
         except OSError:
@@ -481,12 +486,17 @@ class Copier:
                         plan[path] = self.read(path)
 
     def plan_package(self, folder, plan):
-        """Add the files of the package directory *folder* to *plan*, or none."""
+        """Add the files of the package directory *folder* to *plan*, or none.
+
+        Its ``__pycache__`` directories are made empty (:meth:`put_all`).
+        """
         files = self.originals.tree_files(folder, PACKAGE_DEPTH, PACKAGE_FILES)
         if files is None:
             raise Declined(f"its package's directory {folder!r} is too big to copy")
         for path in files:
-            if path not in self.taken and path not in plan:
+            if path.endswith("/"):
+                plan[path] = None
+            elif path not in self.taken and path not in plan:
                 plan[path] = self.read(path)
 
     # -- writing copies ------------------------------------------------------------

@@ -50,16 +50,22 @@ class Originals:
             _os.close(fd)
 
     def tree_files(self, folder, depth, most, found=None):
-        """Return the files below *folder* but ``__pycache__``; None past the bounds."""
+        """Return the files below *folder*; None past the bounds.
+
+        A ``__pycache__`` is named as a directory (``path/``), not read:
+        the copy holds it empty, so that the copy's directory lists as the
+        original's does, while the bytecode in it (Python's own cache)
+        costs the shared file system nothing.
+        """
         found = [] if found is None else found
         entries = self.listing(folder)
         if entries is None or depth == 0:
             return None
         for name, is_dir in sorted(entries.items()):
             path = f"{folder}/{name}"
-            if name == "__pycache__":
-                continue
-            if is_dir:
+            if name == "__pycache__" and is_dir:
+                found.append(path + "/")
+            elif is_dir:
                 if self.tree_files(path, depth - 1, most, found) is None:
                     return None
             else:

@@ -32,14 +32,19 @@ recorded in the manifest), so a module the bundle does not hold is found
 exactly where plain python finds it.
 
 Which ``__file__`` a served module gets: files that an installed
-distribution owns (site-packages) are served with their staged paths, so C
-extensions find their ``$ORIGIN`` libraries and data read relative to
-``__file__`` is node-local too. Source files no distribution owns (the
-script's directory, ``--path`` trees, a package under development, test
-files) and the standard library's keep their original ``__file__``: pytest
-and coverage compare it with files they find on disk, and coverage knows
-the standard library by its place. Their bytes still come from the staged
-copy (:class:`TransparentLoader`).
+distribution owns (site-packages), of a top-level package the bundle holds
+whole, are served with their staged paths, so data read relative to
+``__file__`` is node-local too. The others keep their original
+``__file__``, their bytes still from the staged copy
+(:class:`TransparentLoader`, and the loaders of bytecode and extensions of
+:mod:`~mpistage.runtime.finders`, which map an extension from the copy,
+where its ``$ORIGIN`` libraries are): source files no distribution owns
+(the script's directory, ``--path`` trees, a package under development,
+test files) and the standard library's, since pytest and coverage compare
+``__file__`` with files they find on disk and coverage knows the standard
+library by its place; and every module of a package the bundle holds in
+part (:meth:`BundledRoot.shows_original`), so that what a program finds
+beside a module is what plain python finds.
 
 A library that ``ctypes`` is asked to load by the path of its original
 below a bundled root (torch preloads CUDA libraries it finds along
@@ -76,6 +81,7 @@ class BundledRoot:
         self.names = module_names(listing)
         self.partial, self.owned = dict(partial or {}), frozenset(owned)
         self.stdlib, self.unbundled_dists = stdlib, False
+        self.found_names, self.shortness, self.inside = {}, {}, None
 
     def names_in(self, rel):
         """The names a lookup in directory *rel* of this root may find in the original.
@@ -89,19 +95,86 @@ class BundledRoot:
 
         if rel not in self.partial:
             return frozenset()
-        found = self.partial[rel]
-        if isinstance(found, list):
-            found = self.partial[rel] = frozenset(module_names(found))
-        return found
+        if rel not in self.found_names:
+            found = self.partial[rel]
+            self.found_names[rel] = (
+                None if found is None else frozenset(module_names(found))
+            )
+        return self.found_names[rel]
 
     def transparent(self, rel):
         """Whether the source file *rel* keeps its original ``__file__``."""
         return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
 
+    def shows_original(self, rel):
+        """Whether the modules in directory *rel* show their original paths.
+
+        So does all of a top-level package whose copy lists less than its
+        original anywhere in its tree (test directories left out,
+        ``--exclude``, files a recorded run did not use), and the root
+        itself unless its copy has all of it. A program that lists, walks,
+        globs or opens what is beside a module there then finds what plain
+        python finds; and a package's modules all lie below its directory,
+        as code that finds its own frames by path expects (pandas' stack
+        levels of warnings).
+        """
+        if self.inside is None:
+            self.inside = held_in_part(self.partial)
+        if not rel and self.short(""):
+            return True
+        top = rel.split("/", 1)[0]
+        return any(self.short(found) for found in self.inside.get(top, ()))
+
+    def short(self, rel):
+        """Whether the copy of directory *rel* lacks an entry of the original's.
+
+        Asked of the copy once (a node-local listing), against the listing
+        recorded in the bundle; without one, assumed so.
+        """
+        if rel not in self.shortness:
+            recorded = self.partial.get(rel) if rel else self.listing
+            copy = None
+            if self.staged is not None and recorded is not None:
+                copy = _listings.local_listing(_os.path.join(self.staged, rel))
+            if copy is None or copy is False:  # unknown, or no directory there
+                self.shortness[rel] = True
+            else:
+                held = {_listings.entry_name(e) for e in copy}
+                self.shortness[rel] = any(e.rstrip("/") not in held for e in recorded)
+        return self.shortness[rel]
+
+    def staged_path(self, path):
+        """Where the original *path* below this root is read from now.
+
+        The copy while the bundle is active; afterwards the original itself.
+        """
+        if self.staged is None or not path.startswith(self.path + _os.sep):
+            return path
+        return self.staged + path[len(self.path) :]
+
     def metadata_paths(self):
         """Where ``importlib.metadata`` looks for this root's distributions."""
         found = [self.staged] if self.staged else []
         return found + [self.path] if self.unbundled_dists else found
+
+
+def held_in_part(partial):
+    """Map each directory to the directories held in part at or below it.
+
+    The root is ``""``. ``__pycache__`` is Python's own cache, which no
+    listing records and no program looks into: it is left out.
+    """
+    inside = {}
+    for found in partial:
+        if "__pycache__" in found.split("/"):
+            continue
+        above = found
+        while True:
+            inside.setdefault(above, []).append(found)
+            if not above:
+                break
+            above = _os.path.dirname(above)
+    return inside
 
 
 class StagedFinder(_finders.ServingFinder):
@@ -144,12 +217,33 @@ class StagedFinder(_finders.ServingFinder):
         return None
 
     def keeps_original(self, path):
-        """Whether the source *path* keeps its original ``__file__``."""
-        return self.root.transparent(path[len(self.root.path) + 1 :])
+        """Whether the module *path* keeps its original ``__file__``.
+
+        Sources no distribution owns do, and so does every module of a
+        top-level package the bundle holds in part
+        (:meth:`BundledRoot.shows_original`).
+        """
+        rel = path[len(self.root.path) + 1 :]
+        return self.root.transparent(rel) or self.root.shows_original(
+            _os.path.dirname(rel)
+        )
 
     def source_loader(self, fullname, path):
         """The loader of a source that keeps its original ``__file__``."""
         return TransparentLoader(fullname, path, self.root)
+
+    def staged_path(self, path):
+        """Where a module shown at its original *path* is read from now."""
+        return self.root.staged_path(path)
+
+    def package_dir(self, folder):
+        """Where a namespace portion at the original *folder* searches.
+
+        Its original where its package shows its originals.
+        """
+        if self.root.shows_original(folder[len(self.root.path) + 1 :]):
+            return folder
+        return self.copy(folder)
 
     def below(self, path):
         """Return the finder of a directory *path* inside this root, or ``None``.
@@ -168,12 +262,24 @@ class StagedFinder(_finders.ServingFinder):
         return StagedFinder(self.root, path, inside, self.root.names_in(rel))
 
     def entries(self):
-        """The directory's entries: the root's recorded listing, else the copy's."""
+        """The directory's entries, as the original's.
+
+        The root's and those of directories held in part come from the
+        listings recorded in the bundle (the original's, when none was);
+        a directory held whole lists as its copy.
+        """
         from mpistage.runtime.roots import listing
 
-        if self.path == self.root.path:
-            return self.root.listing
-        return self.listing(self.path) if self.staged else listing(self.path)
+        root = self.root
+        if self.path == root.path:
+            return root.listing
+        rel = self.path[len(root.path) + 1 :]
+        if self.staged is None or not self.path.startswith(root.path + _os.sep):
+            return listing(self.path)
+        if rel in root.partial:
+            recorded = root.partial[rel]
+            return recorded if recorded is not None else listing(self.path)
+        return self.listing(self.path)
 
     def is_package(self, name):
         """Whether the directory *name* holds an ``__init__`` module.
@@ -222,17 +328,20 @@ class TransparentLoader(_finders.CopyLoader):
 
     def staged_path(self, path):
         """Map a path below the original root to the staged copy."""
-        head = self.root.path + _os.sep
-        if self.root.staged is None or not path.startswith(head):
-            return path  # activation has ended: the original is what there is
-        return self.root.staged + path[len(self.root.path) :]
+        return self.root.staged_path(path)  # the original once activation ended
 
     def get_resource_reader(self, name):
-        """Serve ``importlib.resources`` of the package from the staged copy."""
+        """Serve ``importlib.resources`` of the package from the staged copy.
+
+        A package shown at its original is read where plain python reads
+        it, so that its resources list as they do there.
+        """
         from importlib.resources.readers import FileReader
 
         reader = FileReader(self)
-        reader.path = type(reader.path)(self.staged_path(str(reader.path)))
+        folder = str(reader.path)
+        if not self.root.shows_original(folder[len(self.root.path) + 1 :]):
+            reader.path = type(reader.path)(self.staged_path(folder))
         return reader
 
 

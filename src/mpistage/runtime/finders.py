@@ -10,9 +10,10 @@ the same machinery, and differ only in where listings and files come from:
   them what ``FileFinder`` would find, so a name that is not there is
   answered without the file system;
 - :class:`ServingFinder` is the path entry finder of one served directory:
-  it locates, loads what it found from the copy (a source module keeps its
-  original ``__file__`` where the subclass says so, :class:`CopyLoader`),
-  and asks the regular finder (:func:`regular_finder`, never one of
+  it locates, loads what it found from the copy (a module keeps its
+  original ``__file__`` where the subclass says so: :class:`CopyLoader`,
+  :class:`CopyBytecodeLoader`, :class:`CopyExtensionLoader`), and asks
+  the regular finder (:func:`regular_finder`, never one of
   mpistage's) for what the copy cannot serve; it lists modules for
   ``pkgutil.iter_modules`` (:func:`register_pkgutil`);
 - :class:`ServingMetaFinder` stands in for ``PathFinder``: it finds
@@ -25,6 +26,7 @@ What serving needs is imported before any finder is installed
 (:data:`SERVING`).
 """
 
+import _imp
 import os as _os
 import sys as _sys
 
@@ -153,10 +155,15 @@ class ServingFinder(_FileFinder):
     - :meth:`copy`: where an original file is in the copy;
     - :meth:`holds`: whether the copy holds the file of module *name* (it
       may ask for it);
-    - :meth:`keeps_original`: whether a source module shows its original
-      ``__file__`` (:meth:`source_loader` then reads it from the copy);
+    - :meth:`keeps_original`: whether a module shows its original
+      ``__file__`` and its package its original ``__path__`` (its code
+      still comes from the copy: :meth:`original_loader`);
     - :meth:`package_dir`: where a package loaded from the copy searches;
     - :meth:`unlisted`: what to do with a name the listing lacks.
+
+    A module that shows its copy's path finds beside it what its copy's
+    directory holds: a subclass shows one only where that is what the
+    original's directory holds too.
     """
 
     def __init__(self, path):
@@ -203,8 +210,8 @@ class ServingFinder(_FileFinder):
             spec = _ModuleSpec(fullname, None)
             spec.submodule_search_locations = [self.package_dir(path)]
             return spec
-        if kind == "source" and self.keeps_original(path):
-            origin, loader = path, self.source_loader(fullname, path)
+        if self.keeps_original(path):
+            origin, loader = path, self.original_loader(kind, fullname, path)
         else:
             origin = self.copy(path)
             loader = LOADERS[kind](fullname, origin)
@@ -213,6 +220,16 @@ class ServingFinder(_FileFinder):
         return spec_from_file_location(
             fullname, origin, loader=loader, submodule_search_locations=search
         )
+
+    def original_loader(self, kind, fullname, path):
+        """The loader of a module shown at its original *path*, read from the copy."""
+        if kind == "source":
+            return self.source_loader(fullname, path)
+        return MAPPED[kind](fullname, path, self.staged_path)
+
+    def staged_path(self, path):
+        """Where the original *path* is read from now (the copy while it serves)."""
+        return self.copy(path)
 
     def package_dir(self, folder):
         """Where a package (or portion) loaded from the copy at *folder* searches."""
@@ -268,6 +285,46 @@ class CopyLoader(_SourceFileLoader):
     def set_data(self, path, data, *, _mode=0o666):
         """Write bytecode into the copy, never the original."""
         return super().set_data(self.staged_path(path), data, _mode=_mode)
+
+
+class CopyBytecodeLoader(_SourcelessFileLoader):
+    """Load a bytecode-only module from the copy under its original path."""
+
+    def __init__(self, fullname, path, staged_path):
+        super().__init__(fullname, path)
+        self.staged_path = staged_path
+
+    def get_data(self, path):
+        """Read *path* from the copy."""
+        return super().get_data(self.staged_path(path))
+
+
+class CopyExtensionLoader(_ExtensionFileLoader):
+    """Load an extension module from the copy under its original path.
+
+    The dynamic loader maps the copy, so the libraries it needs through
+    ``$ORIGIN`` are the copy's too; ``__file__`` and the spec show the
+    original, so that what a program finds beside the module is what plain
+    python finds there.
+    """
+
+    def __init__(self, fullname, path, staged_path):
+        super().__init__(fullname, path)
+        self.staged_path = staged_path
+
+    def create_module(self, spec):
+        """Load the copy; show the original's path."""
+        copy = _ModuleSpec(spec.name, self, origin=self.staged_path(spec.origin))
+        module = _imp.create_dynamic(copy)
+        try:  # a single-phase module was given the path it was loaded from
+            module.__file__ = spec.origin
+        except AttributeError:
+            pass  # no module object (``Py_mod_create``): it shows what it shows
+        return module
+
+
+# The loaders of the modules :meth:`ServingFinder.original_loader` maps.
+MAPPED = {"bytecode": CopyBytecodeLoader, "extension": CopyExtensionLoader}
 
 
 def register_pkgutil(pkgutil):

@@ -5,10 +5,13 @@ them, takes the slowest rank for each step (the job waits for it), and
 prints one screen (``--report``) or writes JSON (``MPISTAGE_REPORT=path``).
 
 When a report is asked for, every rank also counts, after activation, each
-access to the original of a bundled root that the bundle could have served:
-files opened for reading and directories listed, by kind (modules,
-distribution metadata, other data), through an audit hook (:class:`Watch`).
-``stat`` calls are not audited by Python and are not counted. And every
+access to the original of a bundled root (with live imports, of a directory
+they serve): files opened for reading and directories listed, by kind
+(modules, distribution metadata, other data, listings), through an audit
+hook (:class:`Watch`), and names what was read beside the modules (the
+files and listings most read), so that a user sees why a rank touched the
+shared file system. ``stat`` calls are not audited by Python and are not
+counted. And every
 rank says which shared objects it mapped, from the node's copy or from the
 originals (:mod:`~mpistage.runtime.libraries`): libraries are where a GPU
 stack's bytes are.
@@ -24,16 +27,29 @@ STEPS = ("topology", "read", "validate", "broadcast", "stage", "activate", "run"
 
 SHOWN = 20  # missed module names the screen report lists
 KINDS = ("modules", "metadata", "data", "listings")
+METADATA = (".dist-info", ".egg-info")  # a distribution's directory
+BESIDE = ("data", "listings")  # what is read beside the modules, named
+NAMED = 5  # paths of each kind the screen report names
+KEPT = 50  # distinct paths of each kind a rank keeps for the report
 
 
 class Watch:
-    """Counts this rank's accesses to bundled originals after activation."""
+    """Counts this rank's accesses to originals after activation; names some.
 
-    def __init__(self, roots):
+    The originals are those below *roots*: a bundle's roots, or with live
+    imports the directories they serve; not the node's copy (*skip*), which
+    may lie below one. Of the files read and directories listed beside the
+    modules (:data:`BESIDE`), the first :data:`KEPT` distinct paths are kept
+    with their counts.
+    """
+
+    def __init__(self, roots, skip=()):
         import sys
 
-        self.prefixes = tuple(path + "/" for path in roots)
+        self.prefixes = tuple(path.rstrip("/") + "/" for path in roots)
+        self.skip = tuple(path.rstrip("/") + "/" for path in skip if path)
         self.counts = dict.fromkeys(KINDS, 0)
+        self.paths = {kind: {} for kind in BESIDE}
         self.active = True
         sys.addaudithook(self.hook)
 
@@ -42,13 +58,27 @@ class Watch:
         if not self.active:
             return
         kind, path = read_of(event, args)
-        if kind in ("open", "listing") and path.startswith(self.prefixes):
-            self.counts[kind_of(kind, path)] += 1
+        if kind not in ("open", "listing") or not path.startswith(self.prefixes):
+            return
+        if self.skip and path.startswith(self.skip):
+            return
+        kind = kind_of(kind, path)
+        self.counts[kind] += 1
+        named = self.paths.get(kind)
+        if named is None or kind == "listings" and by_imports(_sys._getframe(1)):
+            return  # the import system's own look for a module: no "beside"
+        if path in named or len(named) < KEPT:
+            named[path] = named.get(path, 0) + 1
 
     def stop(self):
-        """Stop counting; return the counts."""
+        """Stop counting; return the counts, with the paths named."""
         self.active = False
-        return self.counts
+        return dict(self.counts, beside=self.paths)
+
+
+def by_imports(frame):
+    """Whether the code that caused an audit event (*frame*) is the import system's."""
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen ")
 
 
 def read_of(event, args):
@@ -90,10 +120,10 @@ def kind_of(event, path):
     """Return the kind of an access: modules, metadata, data or listings."""
     from mpistage.runtime.roots import import_suffixes
 
+    if path.endswith(METADATA) or ".dist-info/" in path or ".egg-info/" in path:
+        return "metadata"
     if event != "open":
         return "listings"
-    if ".dist-info/" in path or ".egg-info/" in path:
-        return "metadata"
     if path.endswith(import_suffixes() + (".pyc",)):
         return "modules"
     return "data"
@@ -105,7 +135,7 @@ def local_facts(session, seconds, watch=None, live=None):
     activation = session.activation if session else None
     modules = classify(activation) if activation else empty
     root = session.staged.path if session and session.staged else None
-    accesses = watch.stop() if watch else dict.fromkeys(KINDS, 0)
+    accesses = watch.stop() if watch else dict(dict.fromkeys(KINDS, 0), beside={})
     return {
         "seconds": seconds,
         "modules": modules,
@@ -129,6 +159,7 @@ def summarize(job, ranks):
     missed = sorted({m for r in ranks for m in r["modules"]["missed"]})
     stdlib = sorted({m for r in ranks for m in r["modules"]["stdlib"]})
     accesses = {k: sum(r["accesses"][k] for r in ranks) for k in KINDS}
+    accesses["beside"] = beside([r["accesses"].get("beside") or {} for r in ranks])
     missing_ranks = [i for i, r in enumerate(ranks) if r["modules"]["missed"]]
     return {
         "ranks": len(ranks),
@@ -150,6 +181,26 @@ def summarize(job, ranks):
         "live": live_summary(job.get("live"), ranks),
         "start": starts([r.get("start") for r in ranks]),
     }
+
+
+def beside(named):
+    """Sum the paths each rank read beside the modules: ``{kind: [[path, n]]}``.
+
+    Most read first (then by path), :data:`KEPT` of each kind at most.
+    """
+    found = {}
+    for paths in named:
+        for kind, counts in paths.items():
+            total = found.setdefault(kind, {})
+            for path, count in counts.items():
+                total[path] = total.get(path, 0) + count
+    return {kind: most_read(total) for kind, total in sorted(found.items()) if total}
+
+
+def most_read(counts):
+    """Return ``[[path, count]]`` of *counts*, most read first, :data:`KEPT` at most."""
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [[path, count] for path, count in ordered[:KEPT]]
 
 
 def starts(facts):
@@ -204,16 +255,36 @@ def render(report):
     live = report.get("live")
     if live:
         lines.append(live_line(live))
-    accesses = report.get("original_accesses", {})
-    if any(accesses.values()):
-        counts = ", ".join(f"{accesses[k]} {k}" for k in KINDS if accesses[k])
-        lines.append(f"  originals read after activation, all ranks: {counts}")
+    lines += accesses_lines(report.get("original_accesses", {}))
     if mods["missed_names"]:
         names = mods["missed_names"]
         shown = ", ".join(names[:SHOWN]) + (" ..." if len(names) > SHOWN else "")
         lines.append(f"  missed: {shown}")
         lines.append(hint(mods.get("missed_on_ranks", [0]), report["ranks"]))
     return "\n".join(lines)
+
+
+def accesses_lines(accesses):
+    """Say how often the ranks read the originals, and what beside the modules."""
+    if not any(accesses.get(k) for k in KINDS):
+        return []
+    counts = ", ".join(f"{accesses[k]} {k}" for k in KINDS if accesses.get(k))
+    lines = [f"  originals read after activation, all ranks: {counts}"]
+    named = accesses.get("beside") or {}
+    for kind, verb in (("listings", "listed"), ("data", "read")):
+        paths = named.get(kind) or []
+        if paths:
+            lines.append(f"  {verb} beside the modules, {named_paths(paths)}")
+    return lines
+
+
+def named_paths(paths):
+    """Name the first of ``[[path, count]]``, below the directory they share."""
+    shown = paths[:NAMED]
+    base = _os.path.commonpath([_os.path.dirname(p) for p, _ in shown])
+    names = ", ".join(f"{_os.path.relpath(p, base)} ({n})" for p, n in shown)
+    more = f" and {len(paths) - NAMED} more" if len(paths) > NAMED else ""
+    return f"in {base}: {names}{more}"
 
 
 def live_line(live):
@@ -347,7 +418,6 @@ def write_json(path, data):
 
 def classify(activation):
     """Sort modules imported since activation: served, missed, stdlib."""
-    from mpistage.runtime.activate import TransparentLoader
     from mpistage.runtime.roots import in_stdlib
 
     served, missed, stdlib = [], [], []
@@ -359,10 +429,16 @@ def classify(activation):
             continue
         if not origin or not _os.path.isabs(origin):
             continue
-        if origin.startswith(root) or isinstance(spec.loader, TransparentLoader):
+        if read_from(spec, origin).startswith(root):
             served.append(name)
         elif in_stdlib(origin):
             stdlib.append(name)
         else:
             missed.append(name)
     return {"served": served, "missed": missed, "stdlib": stdlib}
+
+
+def read_from(spec, origin):
+    """Where the module of *spec* was read from (a copy, for one shown as original)."""
+    staged_path = getattr(spec.loader, "staged_path", None)
+    return staged_path(origin) if callable(staged_path) else origin

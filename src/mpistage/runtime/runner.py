@@ -164,10 +164,20 @@ class Runner:
         else:
             self.start_live()
         self.cancel_watch = at_finalize(self.end, self.world)
-        if self.reporting() and self.session.staged is not None:
-            from mpistage.runtime.report import Watch
+        if self.reporting():
+            self.watch = self.new_watch()
 
-            self.watch = Watch(r["path"] for r in self.session.staged.manifest["roots"])
+    def new_watch(self):
+        """Count reads of the originals after activation: bundled or live roots."""
+        from mpistage.runtime.report import Watch
+
+        staged, live = self.session.staged, self.live
+        if staged is not None:
+            roots = [r["path"] for r in staged.manifest["roots"]]
+            return Watch(roots, skip=[staged.path])
+        if live is not None and live.mode == "live":
+            return Watch(live.roots, skip=[live.copy_root])
+        return None
 
     def stage_data(self):
         """``--data``: :func:`mpistage.data.dirs.for_program`, before any import

@@ -10,13 +10,14 @@ where listings and files come from: the listings the reader sent
 a module that is not in the node's copy yet is asked for along the request
 path (:mod:`~.request`): one message brings its listing and files.
 
-Which ``__file__`` a module gets: source modules keep their original path
+Which ``__file__`` a module gets: every module keeps its original path
 (tracebacks, ``inspect``, pytest and coverage see the files they expect,
-and data read relative to ``__file__`` is read from the original, as with
-plain python); their bytes come from the copy (:class:`LiveSourceLoader`).
-Extensions are loaded from the copy, where the libraries they need from
-``$ORIGIN`` are too. Packages search their original directories, which
-this hook serves.
+and a listing of, or data read relative to, ``__file__`` is the
+original's, as with plain python: the copy holds only what was asked
+for). Their bytes come from the copy (:class:`LiveSourceLoader`); an
+extension is loaded from the copy, where the libraries it needs from
+``$ORIGIN`` are too (:class:`~mpistage.runtime.finders.CopyExtensionLoader`).
+Packages search their original directories, which this hook serves.
 
 ``importlib.resources`` and ``importlib.metadata`` read through the copy
 too: ``LivePath`` is a ``pathlib`` path of the original whose
@@ -101,7 +102,11 @@ class LiveFinder(_finders.ServingFinder):
         return True
 
     def keeps_original(self, path):
-        """Every source module shows its original ``__file__``."""
+        """Every module shows its original ``__file__``, extensions too.
+
+        The copy holds only what was asked for: beside a module there, a
+        program would find less than plain python finds.
+        """
         return True
 
     def source_loader(self, fullname, path):

@@ -5,6 +5,7 @@ Bundles here are crafted byte by byte from the documented format
 means to be hostile is hostile.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -164,26 +165,46 @@ def test_broken_manifest_ends_the_stager(tmp_path, stage_env, case):
     one_line_everywhere(result, status, words=["malformed"])
 
 
-OOM_DRIVER = """
+LEAN_DRIVER = """
 import resource, sys
 from mpi4py import MPI
-if MPI.COMM_WORLD.rank == 1:
-    with open("/proc/self/status") as f:
-        kb = next(int(l.split()[1]) for l in f if l.startswith("VmSize:"))
-    limit = (kb << 10) + (24 << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+import mpistage.runtime.bulk as bulk
+bulk.PIECE_SIZE = 1 << 20
+with open("/proc/self/status") as f:
+    kb = next(int(l.split()[1]) for l in f if l.startswith("VmSize:"))
+limit = (kb << 10) + (int(sys.argv[1]) << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from mpistage.__main__ import main
-main(sys.argv[1:])
+main(sys.argv[2:])
+"""
+CHECK_COPY = """
+import hashlib, sys
+import importlib.resources as resources
+with resources.as_file(resources.files("bigpkg") / "big.bin") as path:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+assert digest == sys.argv[1] and "/job-" in str(path), (digest, path)
 """
 
 
-def test_leader_out_of_memory_ends_the_job(tmp_path, stage_env, stage_dir):
-    members = [{"rel": "big.bin", "type": "file", "data": os.urandom(64 << 20)}]
+def test_no_rank_holds_the_bundle(tmp_path, stage_env, stage_dir):
+    """Ranks that may map 48 MiB more than they had stage a 160 MiB bundle.
+
+    Rank 0 reads it and every leader writes its copy piece by piece (1 MiB
+    pieces here): nobody allocates a buffer of the bundle's size.
+    """
+    blob = os.urandom(160 << 20)
+    members = [
+        {"rel": "bigpkg", "type": "dir", "mode": 0o755},
+        {"rel": "bigpkg/__init__.py", "type": "file", "data": b""},
+        {"rel": "bigpkg/big.bin", "type": "file", "data": blob},
+    ]
     bundle = craft(tmp_path / "big.mpistage", members)
-    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
-    args = ["-c", OOM_DRIVER, "--bundle", bundle, "--trust", "-c", "pass"]
-    result, status = mpirun_status(2, args, env)
-    one_line_everywhere(result, status, words=["cannot allocate"])
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2", PYTHONPATH=str(tmp_path / "site"))
+    digest = hashlib.sha256(blob).hexdigest()
+    args = ["-c", LEAN_DRIVER, 48, "--bundle", bundle, "--trust"]
+    result, status = mpirun_status(2, [*args, "-c", CHECK_COPY, digest], env)
+    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
     assert job_dirs(stage_dir) == []
 
 

@@ -28,7 +28,7 @@ Control messages (sizes, verdicts, requests) stay with
 :mod:`~mpistage.runtime.collective`: small, and worth no spinning.
 """
 
-PIECE_SIZE = 64 * 1024 * 1024  # bytes in one message at most
+PIECE_SIZE = 16 * 1024 * 1024  # bytes in one message at most
 SPIN_FOR = 1.0  # seconds one piece is polled without sleeping
 HEAD = 8  # bytes of the whole size, in front of a long message's first piece
 

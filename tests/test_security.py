@@ -440,18 +440,51 @@ def test_interrupted_stage_is_refused_then_cleaned(tmp_path, stage_env, env_like
 # -- 6. staging space running out mid-write ----------------------------------------
 
 
+def mount_tmpfs(point, size):
+    """Mount a tmpfs of *size* at *point* (skip the test if one cannot)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    point.mkdir()
+    how = ["-t", "tmpfs", "-o", f"size={size}", "tmpfs", point]
+    done = subprocess.run(["mount", *how])
+    if done.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    return point
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs: room for a bundle's bytes, not for its files' blocks."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt])
-    if done.returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", mnt])
+    yield mount_tmpfs(tmp_path / "small", "1m")
+    subprocess.run(["umount", "-l", tmp_path / "small"])
+
+
+@pytest.fixture
+def shared_tmpfs(tmp_path):
+    """A 10 MiB tmpfs: room for one node's copy of :func:`six_mib`, not two."""
+    yield mount_tmpfs(tmp_path / "shared", "10m")
+    subprocess.run(["umount", "-l", tmp_path / "shared"])
+
+
+def six_mib(path, kind="packages"):
+    """A bundle of 6 MiB in 96 files, sent in 64 KiB pieces (:data:`PIECES`)."""
+    members = [
+        {"rel": f"m{i}.bin", "type": "file", "data": os.urandom(64 << 10)}
+        for i in range(96)
+    ]
+    roots = [{"path": str(path.parent / "site"), "listing": []}]
+    if kind == "env":
+        roots[0]["dest"] = ""
+    return craft(path, members, roots, kind=kind)
+
+
+PIECES = """
+import sys
+import mpistage.runtime.bulk as bulk
+bulk.PIECE_SIZE = 64 << 10
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
 
 
 def test_full_candidate_falls_back_to_the_next(tmp_path, stage_env, small_tmpfs):
@@ -482,6 +515,41 @@ def test_full_stage_dir_is_one_line_naming_it(tmp_path, stage_env, small_tmpfs):
     result, status = stage_bundle(bundle, folder, stage_env, ranks=1, nodes=1)
     one_line_everywhere(result, status, ranks=1, words=["no space left", str(folder)])
     assert not folder.exists()  # the stage made it, and removes it again
+
+
+def test_a_place_full_mid_pass_moves_to_the_next(tmp_path, stage_env, shared_tmpfs):
+    """Both nodes' copies passed the room check of one tmpfs, which holds
+    one: a leader's writes fail mid-pass, and the bytes go again, to a
+    place in the next candidate for the full node."""
+    bundle = six_mib(tmp_path / "six.mpistage")
+    second = tmp_path / "second"
+    second.mkdir()
+    env = dict(stage_env, MPISTAGE_STAGE_DIR=f"{shared_tmpfs}{os.pathsep}{second}")
+    env.update(MPISTAGE_EMULATE_NODES="2", MPISTAGE_BOOT="no")  # no boot copy there
+    args = ["-c", PIECES, "--bundle", bundle, "--trust", "--keep", "-c", "pass"]
+    result, status = mpirun_status(2, args, env)
+    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
+    kept = job_dirs(shared_tmpfs) + job_dirs(second)
+    assert len(kept) == 2 and job_dirs(second), kept
+    for copy in kept:
+        assert len(list((copy / "r0").iterdir())) == 96, copy
+
+    env["MPISTAGE_STAGE_DIR"] = str(shared_tmpfs)
+    for copy in job_dirs(shared_tmpfs):
+        subprocess.run(["rm", "-rf", copy], check=True)
+    result, status = mpirun_status(2, args[:5] + ["-c", "pass"], env)
+    words = ["no usable place for the node's copy", "ran out of space"]
+    one_line_everywhere(result, status, words=words)
+    assert job_dirs(shared_tmpfs) == []
+
+
+def test_a_stage_dir_full_mid_pass_is_one_line(tmp_path, stage_env, shared_tmpfs):
+    bundle = six_mib(tmp_path / "six.mpistage", "env")
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    args = ["-c", PIECES, "stage", bundle, "--to", shared_tmpfs / "env{node}"]
+    result, status = mpirun_status(2, args, env)
+    one_line_everywhere(result, status, words=["no space left", str(shared_tmpfs)])
+    assert list(shared_tmpfs.iterdir()) == []  # the stage made them, and removed them
 
 
 # -- 7. messages -----------------------------------------------------------------

@@ -294,8 +294,10 @@ def unpack_here(bundle, place, name):
 def agreed_retry(topo, outcome, place, holder):
     """Whether some leader's place was full and all try again (agreed).
 
-    Then every leader takes its copy away, and the full ones try another
-    place (:meth:`Place.retry`): the bytes are sent again to all.
+    Then every leader takes its copy away, all before any makes a new one
+    (their room checks must not count the old copies), and the full ones
+    try another place (:meth:`Place.retry`): the bytes are sent again to
+    all.
     """
     from mpistage.runtime.collective import first_failure
 
@@ -303,10 +305,14 @@ def agreed_retry(topo, outcome, place, holder):
     if not again and first_failure(topo.world, outcome == STOPPED) is not None:
         raise StageError("the bundle's bytes stopped on the way")  # never expected
     if again:
-        for root in holder:
-            place.discard(root)
-        holder.clear()
+        attempt(topo.world, discard, place, holder)
     return again
+
+
+def discard(place, holder):
+    """Take this leader's copy away (if any)."""
+    while holder:
+        place.discard(holder.pop())
 
 
 def mark_done(topo, head, place, holder):

@@ -75,12 +75,50 @@ emit(boundpkg.sub.VALUE)
 """
 
 
+# Rank 0 imports a module of megabytes first, then blocks in MPI holding the
+# GIL; the others import it after: the push that named it has reached them.
+FIRST_THEN_BLOCKED = (
+    HOLDS_THE_GIL
+    + """
+import time
+world = MPI.COMM_WORLD
+if world.rank == 0:
+    import boundpkg.big
+    barrier_holding_the_gil(world)
+else:
+    time.sleep(0.5)
+    import boundpkg.big
+    world.Barrier()
+emit(len(boundpkg.big.PAD))
+"""
+)
+
+# Small pieces, each written slowly on the leaders that receive them: the
+# answer takes several times MPISTAGE_LIVE_WAIT to arrive, and keeps moving.
+SLOW_PIECES = """
+import sys, time
+import mpistage.runtime.bulk as bulk
+import mpistage.runtime.live.mirror as mirror
+bulk.PIECE_SIZE = 64 << 10
+real = mirror.CopyWriter.write_piece
+def slowly(self, handle, view):
+    time.sleep(0.02)
+    return real(self, handle, view)
+mirror.CopyWriter.write_piece = slowly
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
+BIG_IMPORT = "import boundpkg.big\nemit(len(boundpkg.big.PAD))\n"
+PAD = 6 << 20  # bytes of boundpkg/big.py: raw pieces, not a pickled file
+
+
 @pytest.fixture
 def env(stage_env, tmp_path):
     site = tmp_path / "site"
     (site / "boundpkg").mkdir(parents=True)
     (site / "boundpkg" / "__init__.py").write_text("")
     (site / "boundpkg" / "sub.py").write_text("import email.message\nVALUE = 42\n")
+    (site / "boundpkg" / "big.py").write_text(f"PAD = {'x' * PAD!r}\n")
     report = tmp_path / "report.json"
     return dict(
         stage_env,
@@ -121,6 +159,33 @@ def test_a_first_lowercase_reduction_on_a_new_communicator(
     assert result.returncode == 0, result
     assert results(env, ranks) == [42] * ranks
     assert report["live"]["mode"] == "live"
+    assert job_dirs(stage_dir) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_what_rank_0_imported_first_needs_no_thread_of_it(
+    tmp_path, env, stage_dir, ranks
+):
+    """The push of what rank 0 imported names the key and has left before
+    rank 0 blocks: no rank waits for rank 0's threads, none is late."""
+    result, report = launch(tmp_path, env, ranks, FIRST_THEN_BLOCKED)
+    assert results(env, ranks) == [PAD] * ranks
+    assert report["live"]["late"] == 0, report["live"]
+    assert job_dirs(stage_dir) == []
+
+
+def test_an_answer_that_keeps_arriving_is_waited_for(tmp_path, env, stage_dir):
+    """96 pieces of 64 KiB, 20 ms each on every leader that takes them: about
+    2 s, with MPISTAGE_LIVE_WAIT=1 s. The bound is on progress: none is late."""
+    env = dict(env, MPISTAGE_LIVE_WAIT="1")
+    target = write_target(tmp_path / "app.py", BIG_IMPORT)
+    args = ["-c", SLOW_PIECES, target]
+    result = mpirun(4, args, env, cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert results(env, 4) == [PAD] * 4
+    assert report["live"]["late"] == 0, report["live"]
+    assert report["seconds"]["run"] > 1.5, report["seconds"]  # it did take long
     assert job_dirs(stage_dir) == []
 
 

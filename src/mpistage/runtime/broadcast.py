@@ -2,8 +2,9 @@
 
 The bytes travel as raw ``MPI.BYTE`` buffers, never pickled, on the bulk
 path (:mod:`mpistage.runtime.bulk`): pieces of
-:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes, far below the 2 GiB count
-limit of many MPI libraries whatever the bundle's size.
+:func:`~mpistage.runtime.bulk.step` bytes (``MPISTAGE_PIECE_SIZE``), far
+below the 2 GiB count limit of many MPI libraries whatever the bundle's
+size.
 
 :func:`stream` is the one pass over the bytes, from the bundle's file to
 the node's copy: rank 0 reads piece k+1 (on a thread of its own), while
@@ -37,14 +38,14 @@ DEPTH = 4  # pieces a rank holds at once: read or received, sent, written
 
 
 def __getattr__(name):
-    """``CHUNK_SIZE``: the older name of :data:`~mpistage.runtime.bulk.PIECE_SIZE`.
+    """``CHUNK_SIZE``: the older name of :func:`~mpistage.runtime.bulk.step`.
 
     Read only, for the benchmark's model; the size has one home, in bulk.
     """
     if name == "CHUNK_SIZE":
-        from mpistage.runtime.bulk import PIECE_SIZE
+        from mpistage.runtime.bulk import step
 
-        return PIECE_SIZE
+        return step()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -116,7 +117,7 @@ def stream(comm, size, fill=None, take=(), place=None, root=0):
       each job on a thread of its own;
     - ``place(start, end)``, if given, is where a piece lives for good (a
       node's copy in shared memory); else pieces go through :data:`DEPTH`
-      buffers of :data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes, reused.
+      buffers of :func:`~mpistage.runtime.bulk.step` bytes, reused.
 
     Returns whether every piece is through (``False``: every rank stopped
     after the same piece because one failed); raises this rank's own error

@@ -117,8 +117,7 @@ class LiveSession:
 
     def serve(self, topo):
         """Start the relays (leaders; the reader on rank 0) and this rank's client."""
-        from mpistage.runtime.live import request
-        from mpistage.runtime.live.mirror import Listings
+        from mpistage.runtime.live import mirror, request
 
         serve, reply = self.comms
         world = topo.world
@@ -128,12 +127,13 @@ class LiveSession:
             self.relay = self.make_relay(topo, leaders)
             self.relay.start()
         if world.rank == 0:
-            self.client = request.ReaderClient(self.relay)
+            self.client = request.ReaderClient(self.relay, self.wait)
         elif topo.is_leader:
             self.client = request.LeaderClient(self.relay, self.wait)
         else:
-            self.client = request.RankClient(serve, reply, leader, self.wait)
-        self.listings = Listings(self.copy_root)
+            taken = partial(mirror.taken, self.copy_root)
+            self.client = request.RankClient(serve, reply, leader, self.wait, taken)
+        self.listings = mirror.Listings(self.copy_root)
 
     def make_relay(self, topo, leaders):
         """Return this leader's relay, holding the reader on world rank 0."""
@@ -421,6 +421,11 @@ def wait_seconds():
     from mpistage.settings import get
 
     return get("MPISTAGE_LIVE_WAIT")
+
+
+def partial(func, *args):
+    """``functools.partial``, without importing functools on every rank."""
+    return lambda: func(*args)
 
 
 def plain_path(path):

@@ -211,15 +211,18 @@ class Checksums:
 
 
 SHARE_FLOOR = 1 << 16  # bytes a member counts for at least, when sharing out
+READ_WEIGHT = 0.25  # reading a byte, against hashing it: what rank 0 has to do
 
 
 def shares(sizes, count):
     """Return which of *count* checkers hashes each member of *sizes* bytes.
 
-    The largest first, each to the checker with the fewest bytes so far;
-    every leader computes the same from the same manifest.
+    The largest first, each to the checker with the least work so far;
+    checker 0 (rank 0) starts with the reading of every byte, so it takes
+    less hashing. Every leader computes the same from the same manifest.
     """
-    loads, owners = [0] * count, [0] * len(sizes)
+    loads, owners = [0.0] * count, [0] * len(sizes)
+    loads[0] = READ_WEIGHT * sum(sizes) if count > 1 else 0.0
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         least = loads.index(min(loads))
         owners[i] = least

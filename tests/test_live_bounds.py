@@ -75,23 +75,36 @@ emit(boundpkg.sub.VALUE)
 """
 
 
-# Rank 0 imports a module of megabytes first, then blocks in MPI holding the
-# GIL; the others import it after: the push that named it has reached them.
-FIRST_THEN_BLOCKED = (
+# Rank 0 imports a module whose file takes its reader a second to read; the
+# others ask for it meanwhile; then rank 0 blocks in MPI holding the GIL, so
+# no thread of rank 0 runs until every rank has reached the barrier.
+ASKED_WHILE_READ = (
     HOLDS_THE_GIL
     + """
 import time
 world = MPI.COMM_WORLD
 if world.rank == 0:
-    import boundpkg.big
+    import boundpkg.sub
     barrier_holding_the_gil(world)
 else:
-    time.sleep(0.5)
-    import boundpkg.big
+    time.sleep(0.3)
+    import boundpkg.sub
     world.Barrier()
-emit(len(boundpkg.big.PAD))
+emit(boundpkg.sub.VALUE)
 """
 )
+SLOW_READER = """
+import sys, time
+import mpistage.runtime.live.reader as reader
+real = reader.Reader.read
+def slowly(self, folder, name):
+    if name.startswith("sub."):
+        time.sleep(1.0)  # a file on a slow shared file system
+    return real(self, folder, name)
+reader.Reader.read = slowly
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
 
 # Small pieces, each written slowly on the leaders that receive them: the
 # answer takes several times MPISTAGE_LIVE_WAIT to arrive, and keeps moving.
@@ -163,13 +176,20 @@ def test_a_first_lowercase_reduction_on_a_new_communicator(
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_what_rank_0_imported_first_needs_no_thread_of_it(
+def test_an_answer_needs_no_thread_of_a_rank_blocked_since(
     tmp_path, env, stage_dir, ranks
 ):
-    """The push of what rank 0 imported names the key and has left before
-    rank 0 blocks: no rank waits for rank 0's threads, none is late."""
-    result, report = launch(tmp_path, env, ranks, FIRST_THEN_BLOCKED)
-    assert results(env, ranks) == [PAD] * ranks
+    """Every rank asked for ``boundpkg.sub`` while rank 0 read it, and rank 0
+    blocks in MPI holding the GIL as soon as it has it: the push that brings
+    it names what it answers, and has left before rank 0 blocks, so every
+    node knows the answer without any thread of rank 0 (its own node's
+    other ranks from the node's log). None is late."""
+    target = write_target(tmp_path / "app.py", ASKED_WHILE_READ)
+    args = ["-c", SLOW_READER, target]
+    result = mpirun(ranks, args, env, cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert results(env, ranks) == [42] * ranks
     assert report["live"]["late"] == 0, report["live"]
     assert job_dirs(stage_dir) == []
 

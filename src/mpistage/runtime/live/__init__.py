@@ -130,10 +130,10 @@ class LiveSession:
             self.client = request.ReaderClient(self.relay, self.wait)
         elif topo.is_leader:
             self.client = request.LeaderClient(self.relay, self.wait)
-        else:
-            taken = partial(mirror.taken, self.copy_root)
-            self.client = request.RankClient(serve, reply, leader, self.wait, taken)
         self.listings = mirror.Listings(self.copy_root)
+        if not topo.is_leader:
+            copy = NodeCopy(self.copy_root, self.listings)
+            self.client = request.RankClient(serve, reply, leader, self.wait, copy)
 
     def make_relay(self, topo, leaders):
         """Return this leader's relay, holding the reader on world rank 0."""
@@ -423,9 +423,21 @@ def wait_seconds():
     return get("MPISTAGE_LIVE_WAIT")
 
 
-def partial(func, *args):
-    """``functools.partial``, without importing functools on every rank."""
-    return lambda: func(*args)
+class NodeCopy:
+    """What a rank waiting for an answer can see of its node's copy."""
+
+    def __init__(self, root, listings):
+        self.root, self.listings = root, listings
+
+    def taken(self):
+        """The bytes the node's leader has taken in so far."""
+        from mpistage.runtime.live.mirror import taken
+
+        return taken(self.root)
+
+    def answers(self, key):
+        """Whether the leader logged *key* as answered."""
+        return self.listings.answers(key)
 
 
 def plain_path(path):

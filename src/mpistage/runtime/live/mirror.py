@@ -15,7 +15,10 @@ directory listing) and every rank of the node reads them:
 - listings go to an append-only log, ``<root>/.mpistage-listings``, one
   length-prefixed record each (path, entries, version), which ranks
   read from where they left off: a rank learns what its leader knows
-  without asking it.
+  without asking it. So do the keys each push answered (a record
+  ``(ANSWERED, key)``), once its files are written: a rank whose request
+  the leader's thread cannot answer now (its program blocks in MPI
+  holding the GIL) sees its answer here.
 
 The leader creates everything relative to directory descriptors, without
 following symlinks, like extraction does
@@ -39,6 +42,7 @@ from mpistage.node.imports import FILES
 from mpistage.node.place import WRITE_FLAGS
 
 LOG = ".mpistage-listings"
+ANSWERED = "answered"  # the mark of a log record that names an answered key
 PROGRESS = ".mpistage-progress"  # bytes the leader has taken in so far
 HEADER = 4  # bytes of a log record's length
 
@@ -83,6 +87,13 @@ class CopyWriter:
                 records.append(marshal.dumps(item[1:]))
         if records:
             self.append(records)
+
+    def answered(self, keys):
+        """Log that *keys* are answered: their pushes are in the copy."""
+        import marshal
+
+        if keys:
+            self.append([marshal.dumps((ANSWERED, key)) for key in keys])
 
     def append(self, records):
         """Append listing records to the log in one write.
@@ -255,7 +266,7 @@ class Listings:
         import _thread
 
         self.path = f"{root}/{LOG}"
-        self.fd, self.offset, self.known = None, 0, {}
+        self.fd, self.offset, self.known, self.keys = None, 0, {}, set()
         self.lock = _thread.allocate_lock()
 
     def get(self, path, fresh=False):
@@ -269,6 +280,13 @@ class Listings:
                 self.refresh()
             found = self.known.get(path)
         return found
+
+    def answers(self, key):
+        """Whether the leader logged *key* as answered (new records read first)."""
+        if key not in self.keys:
+            with self.lock:
+                self.refresh()
+        return key in self.keys
 
     def refresh(self):
         """Read the records appended since the last call; keep a partial one."""
@@ -290,12 +308,14 @@ class Listings:
             size = int.from_bytes(blob[at : at + HEADER], "little")
             if at + HEADER + size > len(blob):
                 break  # Being written: read again next time.
-            path, entries, version = marshal.loads(
-                blob[at + HEADER : at + HEADER + size]
-            )
+            record = marshal.loads(blob[at + HEADER : at + HEADER + size])
+            at += HEADER + size
+            if record[0] == ANSWERED and len(record) == 2:
+                self.keys.add(record[1])
+                continue
+            path, entries, version = record
             if version >= self.known.get(path, (None, -1))[1]:
                 self.known[path] = (entries, version)
-            at += HEADER + size
         self.offset += at
 
     def close(self):

@@ -130,7 +130,7 @@ class Relay:
         self.known, self.pending = {}, {}
         self.local, self.sends = [], []
         self.closing = self.said_bye = self.ended = self.stopped = False
-        self.byes = 0
+        self.byes = self.idle = 0
         self.counts = {"requests": 0, "forwarded": 0, "pushes": 0, "bytes": 0}
 
     # -- the thread ----------------------------------------------------------
@@ -154,6 +154,7 @@ class Relay:
                     pauses.reset()
                     quiet = time.monotonic()
                     continue
+                self.idle += 1  # a look that found nothing to do
                 if self.in_flight():
                     continue
                 idle = time.monotonic() - quiet > IDLE_AFTER
@@ -349,6 +350,7 @@ class Relay:
             elif item[0] == "f":
                 self.writer.write_file(*item[1:])
         self.writer.apply([item for item in items if item[0] != "f"])
+        self.writer.answered(keys)
         self.writer.progress(len(raw))
         self.applied = seq
         self.counts["pushes"] += 1
@@ -426,6 +428,7 @@ class Relay:
                 if item is not None and raw(item):
                     self.send_body(item[2])
         self.writer.apply(items)
+        self.writer.answered(keys)
         self.applied = self.seq
         self.counts["pushes"] += 1
 
@@ -449,16 +452,18 @@ class Relay:
         self.ring()
 
     def drain(self, wait):
-        """Return once this relay's sends have left, or nothing moved for *wait* s.
+        """Return once this relay is quiet, or nothing moved for *wait* s.
 
+        Quiet: its sends have left, and it has looked for messages and found
+        none since (so what this node's ranks asked before is answered).
         The thread that asked waits here, GIL released, so that this relay
         can pass the pushes on before the program may block in MPI.
         """
         import time
 
-        pauses = Backoff(POLL_MIN, POLL_MAX)
-        while self.sends and not self.stopped:
-            if time.monotonic() - self.moved > wait:
+        pauses, mark, since = Backoff(POLL_MIN, POLL_MAX), self.idle, time.monotonic()
+        while (self.sends or self.idle == mark) and not self.stopped:
+            if time.monotonic() - max(self.moved, since) > wait:
                 return False
             self.ring()
             pauses.sleep()

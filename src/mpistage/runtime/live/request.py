@@ -48,6 +48,7 @@ LATE = "late"
 WAIT = SETTINGS["MPISTAGE_LIVE_WAIT"].default  # seconds a rank waits for an answer
 POLL_MIN, POLL_MAX = 0.00002, 0.001  # seconds between polls for an answer
 PROGRESS_LOOK = 1.0  # seconds between looks at the node's progress while waiting
+LOGGED = "logged"  # an answer read in the node's log, not received
 
 
 def dumps(value):
@@ -140,14 +141,15 @@ def moving(done, taken, wait):
 class RankClient:
     """Any other rank: one message to the leader, the answer polled."""
 
-    def __init__(self, serve, reply, leader, wait=WAIT, taken=lambda: 0):
+    def __init__(self, serve, reply, leader, wait=WAIT, copy=None):
         from mpi4py import MPI
 
         self.serve, self.reply, self.leader = serve, reply, leader
         self.lock, self.tag, self.closed = _thread.allocate_lock(), FIRST_REPLY, False
         self.span = serve.Get_attr(MPI.TAG_UB) - FIRST_REPLY
         self.wait, self.overdue = wait, {}  # tag: sends of a late request
-        self.taken = taken  # the bytes the node's copy has taken in
+        self.stray = {}  # tag: sends of a request answered by the node's log
+        self.copy = copy  # the node's copy: what it has taken in, and answered
 
     def next_tag(self):
         """Return a reply tag no other request of this rank is using."""
@@ -174,43 +176,63 @@ class RankClient:
         status, got = MPI.Status(), []
 
         def answered(timeout):
-            message = self.poll(tag, status, timeout)
-            if message is not None:
+            message = self.poll(tag, key, status, timeout)
+            if message is LOGGED:
+                got.append(LOGGED)
+            elif message is not None:
                 got.append(pickle.loads(receive(self.reply, message, status)))
             return bool(got) or self.closed
 
-        if not moving(answered, self.taken, self.wait):
+        if not moving(answered, self.copy.taken, self.wait):
             with self.lock:
                 self.overdue[tag] = sent
             return LATE
         if not got:
             return CLOSED  # The leader may be gone: no answer will come.
+        if got[0] is LOGGED:
+            with self.lock:  # the leader's answer comes later: taken then
+                self.stray[tag] = sent
+            return None
         MPI.Request.Waitall(sent)
         return got[0]
 
-    def poll(self, tag, status, timeout):
-        """Look for the answer on *tag* for up to *timeout* s; the message or None."""
+    def poll(self, tag, key, status, timeout):
+        """Look for the answer on *tag* (or in the node's log) for up to *timeout* s.
+
+        Returns the message, :data:`LOGGED` (the leader logged *key* as
+        answered: its thread may not run now, the copy holds the answer),
+        or ``None``.
+        """
         import time
 
         pauses = Backoff(POLL_MIN, POLL_MAX)
         deadline = time.monotonic() + timeout
         while True:
             message = self.reply.Improbe(self.leader, tag, status)
-            if message is not None or self.closed or time.monotonic() > deadline:
+            if message is not None or self.closed:
                 return message
+            if self.copy.answers(key):
+                return LOGGED
+            if time.monotonic() > deadline:
+                return None
             pauses.sleep()
 
     def caught_up(self):
-        """Take the late answers that have come; whether none is missing now."""
+        """Take the late answers that have come; whether none is missing now.
+
+        Answers to requests the node's log answered first are taken too,
+        but none is waited for.
+        """
         from mpi4py import MPI
 
         status = MPI.Status()
         with self.lock:  # threads of this rank may ask at the same time
-            for tag in list(self.overdue):
-                message = self.reply.Improbe(self.leader, tag, status)
-                if message is not None:
-                    receive(self.reply, message, status)
-                    MPI.Request.Waitall(self.overdue.pop(tag))
+            for waiting in (self.overdue, self.stray):
+                for tag in list(waiting):
+                    message = self.reply.Improbe(self.leader, tag, status)
+                    if message is not None:
+                        receive(self.reply, message, status)
+                        MPI.Request.Waitall(waiting.pop(tag))
             return not self.overdue
 
     def close(self):

@@ -257,24 +257,21 @@ class Runner:
             except StageError as exc:
                 if CORRUPT not in str(exc):
                     raise
-                verdict = self.relearn(str(exc))
+                verdict = share(self.world, attempt(self.world, self.relearn, exc))
         self.auto = verdict or "replayed"
         if verdict:
             self.start_live(sources=True)
             self.recorder = auto.start_recording()
 
     def relearn(self, why):
-        """The cached bundle is corrupt: learn it anew (agreed); return the word."""
+        """Rank 0: the cached bundle is corrupt; check it can be learned again."""
         from mpistage.runtime import auto
-        from mpistage.runtime.broadcast import share
-        from mpistage.runtime.collective import attempt
 
-        def on_rank0():
-            if self.world.rank != 0:
-                return None
-            return auto.relearn(self.session.bundle, why)
-
-        return share(self.world, attempt(self.world, on_rank0))
+        return (
+            auto.relearn(self.session.bundle, str(why))
+            if self.world.rank == 0
+            else None
+        )
 
     def start_live(self, sources=False):
         """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off.

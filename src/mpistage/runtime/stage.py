@@ -272,8 +272,8 @@ def flow(leaders, bundle, head, name, root):
 def unpack_here(bundle, place, name):
     """This process alone brings the open *bundle* into *place*; return the root.
 
-    No MPI: the file's bytes go to the copy in the same one pass, read and
-    hashed on one thread, written on another. A failure takes the copy
+    No MPI: the file's bytes go to the copy in the same one pass, read,
+    hashed and written on threads of their own. A failure takes the copy
     away (:meth:`Place.discard`).
     """
     from mpistage.runtime.extract import Footprint

@@ -30,7 +30,8 @@ environment modes (whose unpacking runs in a process of its own, not
 counted); the rows go to ``OUT/gpusize.json`` too, with each failure's last
 lines of stderr. The nodes' copies go below SHM (a RAM disk, as on a
 cluster node); the bundles and venvs below OUT (several times SIZE of
-disk). Packing is not timed.
+disk). Packing is not timed, and each bundle is written back to disk
+(``sync``) before the runs that read it.
 """
 
 import argparse
@@ -181,6 +182,7 @@ def bundle(mpi, name, site):
         # This venv's tool: pack --env needs pyelftools, which a source-built
         # venv (mpistage installed --no-deps) lacks.
         mpi.tool(["pack", "--env", prefix, "-q", "-o", path], env, sys.executable)
+    os.sync()  # written back now, not during the timed runs that read it
     mpi.bundles[name] = path
     return path
 

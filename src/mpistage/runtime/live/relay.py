@@ -35,9 +35,11 @@ happened: a push advances only inside MPI calls.
 A rank's program may block in MPI holding the GIL (mpi4py's first
 lowercase collective on a communicator duplicates it so), and then this
 thread cannot run until every rank reaches that call. So the thread that
-asked for a key on a leader returns to the program only once the pushes
-this relay sends have left (:meth:`Relay.drain`, bounded by progress):
-the bytes that another node waits for never wait for this node's program.
+asked for a key on a leader returns to the program only once the big
+pushes this relay sends have left (:meth:`Relay.drain`, bounded by
+progress): the bytes that another node waits for never wait for this
+node's program; and what a push answers needs no thread at all where it
+arrives (it names its keys, in the node's log too).
 
 The thread never imports: Python runs every finder with its global import
 lock held, so a rank's import may be waiting, lock in hand, for this very
@@ -130,7 +132,7 @@ class Relay:
         self.known, self.pending = {}, {}
         self.local, self.sends = [], []
         self.closing = self.said_bye = self.ended = self.stopped = False
-        self.byes = self.idle = 0
+        self.byes = 0
         self.counts = {"requests": 0, "forwarded": 0, "pushes": 0, "bytes": 0}
 
     # -- the thread ----------------------------------------------------------
@@ -154,7 +156,6 @@ class Relay:
                     pauses.reset()
                     quiet = time.monotonic()
                     continue
-                self.idle += 1  # a look that found nothing to do
                 if self.in_flight():
                     continue
                 idle = time.monotonic() - quiet > IDLE_AFTER
@@ -452,22 +453,27 @@ class Relay:
         self.ring()
 
     def drain(self, wait):
-        """Return once this relay is quiet, or nothing moved for *wait* s.
+        """Return once this relay's big sends have left, or nothing moved for *wait* s.
 
-        Quiet: its sends have left, and it has looked for messages and found
-        none since (so what this node's ranks asked before is answered).
         The thread that asked waits here, GIL released, so that this relay
-        can pass the pushes on before the program may block in MPI.
+        can pass a push's raw pieces on before the program may block in
+        MPI: those need this rank's progress; a small message leaves as it
+        is posted (eager). Answers need no thread of this rank: the push
+        names them, and the node's log too.
         """
         import time
 
-        pauses, mark, since = Backoff(POLL_MIN, POLL_MAX), self.idle, time.monotonic()
-        while (self.sends or self.idle == mark) and not self.stopped:
+        pauses, since = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
+        while self.heavy() and not self.stopped:
             if time.monotonic() - max(self.moved, since) > wait:
                 return False
             self.ring()
             pauses.sleep()
         return True
+
+    def heavy(self):
+        """Whether a send of :data:`RAW_FROM` bytes or more is still in flight."""
+        return any(len(blob) >= RAW_FROM for _request, blob in list(self.sends))
 
     # -- the end -------------------------------------------------------------
 

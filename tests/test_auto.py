@@ -14,6 +14,7 @@ from stagetools import (
     MPIEXEC,
     PYTHON,
     TIMEOUT,
+    flip_byte,
     install_record,
     make_site,
     mpistage,
@@ -249,6 +250,29 @@ def test_a_read_only_cache_with_a_fresh_bundle_is_replayed(
     assert result.returncode != 0 and facts is None
     assert "cannot write the --auto cache" in result.stderr
     assert bundles(cache) == [cached]
+
+
+def test_a_cached_bundle_corrupt_in_its_bytes_is_learned_again(
+    tmp_path, stage_env, stage_dir, app
+):
+    """Its manifest is intact: the corrupt member shows while the bytes pass,
+    and the run records instead, as for a bundle it could not use."""
+    script, env = app
+    cache = tmp_path / "cache"
+    options = ["--auto", "--cache-dir", cache, "--report"]
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    assert need_report(result, facts)["auto"].startswith("recorded"), result
+    (cached,) = bundles(cache)
+    last = [m for m in read_manifest(cached)["members"] if m["type"] == "file"][-1]
+    flip_byte(cached, cached, last["offset"] + last["size"] - 1)
+
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    facts = need_report(result, facts)
+    assert facts["auto"].startswith("recorded ("), facts
+    assert f"checksum mismatch in {last['rel']!r}" in facts["auto"], facts
+    assert result.stdout == ["tiny data\n"] * 2, result
+    result, facts = replay(2, options, script, env, tmp_path / "r.json")
+    assert need_report(result, facts)["auto"] == "replayed", facts
 
 
 # -- what a replay needs, and what it must not have (issue #25, item 3) ------------

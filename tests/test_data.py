@@ -36,6 +36,7 @@ PRELUDE = """
 import hashlib, json, os, sys, time
 from mpi4py import MPI
 import numpy as np
+import mpistage.runtime.broadcast as broadcast
 import mpistage.runtime.bulk as bulk
 import mpistage.runtime.read as read
 from mpistage import StageError, data
@@ -172,11 +173,11 @@ def test_same_read_only_bytes_everywhere(tmp_path, stage_env, files, ranks, node
 CHUNKED = """
 bulk.PIECE_SIZE = read.READ_SIZE = int(sys.argv[2])
 spread = []
-real_bcast = bulk.bcast
-def counting(comm, view, root=0):
-    spread.append(len(view))
-    return real_bcast(comm, view, root)
-bulk.bcast = counting
+real_stream = broadcast.stream
+def counting(comm, size, *args, **kwargs):
+    spread.append(size)
+    return real_stream(comm, size, *args, **kwargs)
+broadcast.stream = counting
 out = {}
 for readers in (1, 2, 3):
     for io in ("posix", "mpiio"):

@@ -216,3 +216,109 @@ def test_version(stage_env):
     result = run([PYTHON, "-m", "mpistage", "--version"], env=stage_env)
     assert result.returncode == 0
     assert result.stdout.strip() == f"mpistage {__version__}"
+
+
+# -- failures in the middle of the bytes' one pass ---------------------------------
+
+PIECE = 16 << 10  # bytes: the bundle below is about 80 pieces long
+# Sets small pieces, then, for a FAULT, does harm on one rank at one piece.
+FAULT_DRIVER = """
+import os, signal, sys
+from mpi4py import MPI
+import mpistage.runtime.bulk as bulk
+import mpistage.runtime.extract as extract
+import mpistage.runtime.read as read
+bulk.PIECE_SIZE = int(sys.argv[1])
+fault, rank, calls = sys.argv[2], MPI.COMM_WORLD.rank, [0]
+
+def at_third(cls, name, harm):
+    real = getattr(cls, name)
+    def hurt(self, *args):
+        calls[0] += 1
+        if calls[0] == 3:
+            harm(self)
+        return real(self, *args)
+    setattr(cls, name, hurt)
+
+if fault == "shrinks" and rank == 0:  # another process truncates the bundle
+    at_third(read.Bundle, "fill", lambda b: os.truncate(b.path, b.span[1] // 2))
+if fault == "reader killed" and rank == 0:
+    at_third(read.Bundle, "fill", lambda b: os.kill(os.getpid(), signal.SIGKILL))
+if fault == "leader killed" and rank == 2:
+    at_third(extract.Writer, "write", lambda w: os.kill(os.getpid(), signal.SIGKILL))
+from mpistage.__main__ import main
+main(sys.argv[3:])
+"""
+
+
+@pytest.fixture
+def long_bundle(tmp_path):
+    """A bundle of many pieces: 20 files of 64 KiB, then a small last one."""
+    from crafttools import craft
+
+    members = [{"rel": "longpkg", "type": "dir", "mode": 0o755}]
+    members += [
+        {"rel": f"longpkg/part{i}.bin", "type": "file", "data": os.urandom(64 << 10)}
+        for i in range(20)
+    ]
+    members.append({"rel": "longpkg/__init__.py", "type": "file", "data": b"X = 1\n"})
+    return craft(tmp_path / "long.mpistage", members)
+
+
+def pieces_args(bundle, fault="none", extra=()):
+    """The runner's arguments: *bundle* in small pieces, with *fault*."""
+    args = ["-c", FAULT_DRIVER, PIECE, fault, "--bundle", bundle, "--trust", *extra]
+    return [*args, "-c", "print('target ran')"]
+
+
+def run_pieces(bundle, env, fault="none", extra=()):
+    """Run the runner on *bundle* in small pieces, with *fault*; (result, status)."""
+    env = dict(env, MPISTAGE_EMULATE_NODES="2")
+    return mpirun_status(RANKS, pieces_args(bundle, fault, extra), env)
+
+
+def test_many_pieces_arrive_whole(tmp_path, stage_env, stage_dir, long_bundle):
+    result, status = run_pieces(long_bundle, stage_env, extra=["--keep"])
+    assert result.returncode == 0 and status == dict.fromkeys(range(RANKS), 0), result
+    copies = job_dirs(stage_dir)
+    assert len(copies) == 2
+    manifest = read_manifest(long_bundle)
+    data = long_bundle.read_bytes()
+    for copy in copies:
+        for member in manifest["members"]:
+            if member["type"] == "file":
+                got = (copy / "r0" / member["rel"]).read_bytes()
+                want = data[member["offset"] : member["offset"] + member["size"]]
+                assert got == want, (copy, member["rel"])
+
+
+def test_a_checksum_wrong_in_the_last_piece(
+    tmp_path, stage_env, stage_dir, long_bundle
+):
+    """Every piece but the last is through and written: still nothing is run."""
+    manifest = read_manifest(long_bundle)
+    last = [m for m in manifest["members"] if m["type"] == "file"][-1]
+    bad = flip_byte(long_bundle, tmp_path / "bad.mpistage", last["offset"] + 2)
+    result, status = run_pieces(bad, stage_env)
+    expect_failure(result, status, f"checksum mismatch in {last['rel']!r}")
+    assert "target ran" not in result.stdout
+    assert job_dirs(stage_dir) == []
+
+
+def test_a_bundle_that_shrinks_while_read(tmp_path, stage_env, stage_dir, long_bundle):
+    result, status = run_pieces(long_bundle, stage_env, "shrinks")
+    expect_failure(result, status, "shrank while being read")
+    assert "target ran" not in result.stdout
+    assert job_dirs(stage_dir) == []
+
+
+@pytest.mark.parametrize("fault", ["reader killed", "leader killed"])
+def test_a_rank_killed_mid_piece(tmp_path, stage_env, stage_dir, long_bundle, fault):
+    """The launcher ends the job at once and says why; no copy is left."""
+    from test_security import settled
+
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(RANKS, pieces_args(long_bundle, fault), env)
+    assert result.returncode != 0 and result.elapsed < QUICK, result
+    assert "target ran" not in result.stdout and "Traceback" not in result.stderr
+    assert settled(stage_dir) == []

@@ -16,9 +16,13 @@ nodes, on the MPICH wheel (``.venv``) and on Debian's Open MPI
 
 What a user notices, on every rank: it ran, the extension called into all
 three libraries, the extension and the libraries were mapped from its
-node's copy (from the originals in plain runs), and rank 0 never held much
-more than the bundle once (its peak RSS below 1.5 times the stack's size
-plus a constant).
+node's copy (from the originals in plain runs), and no rank held much more
+than the stack once (its peak RSS below 1.5 times the stack's size plus a
+constant); with a bundle, no rank held a quarter of it (the bytes go in
+pieces, from file to file).
+
+The pieces are small here (``MPISTAGE_PIECE_SIZE``, :data:`PIECES`), so
+that even the 60 MB stack travels in many of them, in every mode.
 
 The stack is ``MPISTAGE_GPUSIZE`` bytes (default 60MB, built once and
 cached, see gpustack); ``MPISTAGE_GPUSIZE=2.5GB`` makes a run past what one
@@ -62,6 +66,8 @@ HEAVY_RANK_COUNTS = RANK_COUNTS if FULL else (4,)
 TIMEOUT = int(os.environ.get("MPISTAGE_GPUSIZE_TIMEOUT", 120 + SIZE // 10**7))
 # What a rank holds besides the bundle: the interpreter, mpi4py, MPI's buffers.
 RSS_CONSTANT = 256 << 20
+PIECES = str(1 << 20)  # bytes: MPISTAGE_PIECE_SIZE, 60 pieces of the 60 MB stack
+BUNDLE_HELD = 0.25  # of the stack, at most, held by a rank that stages a bundle
 
 APP = """\
 import json, os, resource, sys
@@ -101,6 +107,7 @@ class Flavour:
             PATH=f"{self.bin}:/usr/local/bin:/usr/bin:/bin",
             MPISTAGE_STAGE_FALLBACK="no",
             MPISTAGE_EMULATE_NODES=str(NODES),
+            MPISTAGE_PIECE_SIZE=PIECES,
             OMPI_ALLOW_RUN_AS_ROOT="1",
             OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
             OMPI_MCA_rmaps_base_oversubscribe="1",
@@ -202,11 +209,12 @@ def below(path, root):
     return str(path).startswith(str(root).rstrip("/") + "/")
 
 
-def check(ranks, facts, stack, copies=None):
+def check(ranks, facts, stack, copies=None, held=1.5):
     """What a user notices: every rank ran, on its node's copy, in little memory.
 
     *copies* is the folder below which each node's copy lies; ``None`` for a
-    plain run, whose files are the originals in *stack*.
+    plain run, whose files are the originals in *stack*. No rank's peak RSS
+    exceeds *held* times the stack, plus what a rank holds anyway.
     """
     assert [f["rank"] for f in facts] == list(range(ranks))
     for f in facts:
@@ -219,8 +227,9 @@ def check(ranks, facts, stack, copies=None):
             else:
                 node = node_of(f["rank"], ranks)
                 assert on_node(path, copies, node), (f["rank"], name, path)
-    limit = 1.5 * gpustack.size_of(stack) + RSS_CONSTANT
-    assert facts[0]["peak"] < limit, (facts[0]["peak"], limit)
+    limit = held * gpustack.size_of(stack) + RSS_CONSTANT
+    for f in facts:
+        assert f["peak"] < limit, (f["rank"], f["peak"], limit)
 
 
 def no_copy_left(job):
@@ -262,7 +271,7 @@ def test_bundle_packed_by_name(flavour, stack, ranks):
     path = bundle(flavour, stack, "packed", make)
     job = Job(flavour, f"bundle-{ranks}")
     facts, report = runner(flavour, job, ranks, stack, ["--bundle", path])
-    check(ranks, facts, stack, job.stage)
+    check(ranks, facts, stack, job.stage, held=BUNDLE_HELD)
     assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
 
@@ -287,7 +296,7 @@ def test_auto_twice(flavour, stack, ranks):
     assert report["auto"].startswith("recorded"), report
     job = Job(flavour, f"auto-second-{ranks}")
     facts, report = runner(flavour, job, ranks, stack, options)
-    check(ranks, facts, stack, job.stage)
+    check(ranks, facts, stack, job.stage, held=BUNDLE_HELD)
     assert report["auto"] == "replayed", report
     assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
@@ -305,7 +314,7 @@ def test_record_then_replay(flavour, stack, ranks):
     path = bundle(flavour, stack, "recorded", make)
     job = Job(flavour, f"record-{ranks}")
     facts, report = runner(flavour, job, ranks, stack, ["--bundle", path])
-    check(ranks, facts, stack, job.stage)
+    check(ranks, facts, stack, job.stage, held=BUNDLE_HELD)
     assert report["bundle_bytes"] > gpustack.size_of(stack), report
     no_copy_left(job)
 

@@ -75,12 +75,63 @@ emit(boundpkg.sub.VALUE)
 """
 
 
+# Rank 0 imports a module whose file takes its reader a second to read; the
+# others ask for it meanwhile; then rank 0 blocks in MPI holding the GIL, so
+# no thread of rank 0 runs until every rank has reached the barrier.
+ASKED_WHILE_READ = (
+    HOLDS_THE_GIL
+    + """
+import time
+world = MPI.COMM_WORLD
+if world.rank == 0:
+    import boundpkg.sub
+    barrier_holding_the_gil(world)
+else:
+    time.sleep(0.3)
+    import boundpkg.sub
+    world.Barrier()
+emit(boundpkg.sub.VALUE)
+"""
+)
+SLOW_READER = """
+import sys, time
+import mpistage.runtime.live.reader as reader
+real = reader.Reader.read
+def slowly(self, folder, name):
+    if name.startswith("sub."):
+        time.sleep(1.0)  # a file on a slow shared file system
+    return real(self, folder, name)
+reader.Reader.read = slowly
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
+
+# Small pieces, each written slowly on the leaders that receive them: the
+# answer takes several times MPISTAGE_LIVE_WAIT to arrive, and keeps moving.
+SLOW_PIECES = """
+import sys, time
+import mpistage.runtime.bulk as bulk
+import mpistage.runtime.live.mirror as mirror
+bulk.PIECE_SIZE = 64 << 10
+real = mirror.CopyWriter.write_piece
+def slowly(self, handle, view):
+    time.sleep(0.02)
+    return real(self, handle, view)
+mirror.CopyWriter.write_piece = slowly
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
+BIG_IMPORT = "import boundpkg.big\nemit(len(boundpkg.big.PAD))\n"
+PAD = 6 << 20  # bytes of boundpkg/big.py: raw pieces, not a pickled file
+
+
 @pytest.fixture
 def env(stage_env, tmp_path):
     site = tmp_path / "site"
     (site / "boundpkg").mkdir(parents=True)
     (site / "boundpkg" / "__init__.py").write_text("")
     (site / "boundpkg" / "sub.py").write_text("import email.message\nVALUE = 42\n")
+    (site / "boundpkg" / "big.py").write_text(f"PAD = {'x' * PAD!r}\n")
     report = tmp_path / "report.json"
     return dict(
         stage_env,
@@ -121,6 +172,40 @@ def test_a_first_lowercase_reduction_on_a_new_communicator(
     assert result.returncode == 0, result
     assert results(env, ranks) == [42] * ranks
     assert report["live"]["mode"] == "live"
+    assert job_dirs(stage_dir) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_an_answer_needs_no_thread_of_a_rank_blocked_since(
+    tmp_path, env, stage_dir, ranks
+):
+    """Every rank asked for ``boundpkg.sub`` while rank 0 read it, and rank 0
+    blocks in MPI holding the GIL as soon as it has it: the push that brings
+    it names what it answers, and has left before rank 0 blocks, so every
+    node knows the answer without any thread of rank 0 (its own node's
+    other ranks from the node's log). None is late."""
+    target = write_target(tmp_path / "app.py", ASKED_WHILE_READ)
+    args = ["-c", SLOW_READER, target]
+    result = mpirun(ranks, args, env, cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert results(env, ranks) == [42] * ranks
+    assert report["live"]["late"] == 0, report["live"]
+    assert job_dirs(stage_dir) == []
+
+
+def test_an_answer_that_keeps_arriving_is_waited_for(tmp_path, env, stage_dir):
+    """96 pieces of 64 KiB, 20 ms each on every leader that takes them: about
+    2 s, with MPISTAGE_LIVE_WAIT=1 s. The bound is on progress: none is late."""
+    env = dict(env, MPISTAGE_LIVE_WAIT="1")
+    target = write_target(tmp_path / "app.py", BIG_IMPORT)
+    args = ["-c", SLOW_PIECES, target]
+    result = mpirun(4, args, env, cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert results(env, 4) == [PAD] * 4
+    assert report["live"]["late"] == 0, report["live"]
+    assert report["seconds"]["run"] > 1.5, report["seconds"]  # it did take long
     assert job_dirs(stage_dir) == []
 
 

@@ -5,6 +5,7 @@ Bundles here are crafted byte by byte from the documented format
 means to be hostile is hostile.
 """
 
+import hashlib
 import json
 import os
 import signal
@@ -164,26 +165,46 @@ def test_broken_manifest_ends_the_stager(tmp_path, stage_env, case):
     one_line_everywhere(result, status, words=["malformed"])
 
 
-OOM_DRIVER = """
+LEAN_DRIVER = """
 import resource, sys
 from mpi4py import MPI
-if MPI.COMM_WORLD.rank == 1:
-    with open("/proc/self/status") as f:
-        kb = next(int(l.split()[1]) for l in f if l.startswith("VmSize:"))
-    limit = (kb << 10) + (24 << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+import mpistage.runtime.bulk as bulk
+bulk.PIECE_SIZE = 1 << 20
+with open("/proc/self/status") as f:
+    kb = next(int(l.split()[1]) for l in f if l.startswith("VmSize:"))
+limit = (kb << 10) + (int(sys.argv[1]) << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 from mpistage.__main__ import main
-main(sys.argv[1:])
+main(sys.argv[2:])
+"""
+CHECK_COPY = """
+import hashlib, sys
+import importlib.resources as resources
+with resources.as_file(resources.files("bigpkg") / "big.bin") as path:
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+assert digest == sys.argv[1] and "/job-" in str(path), (digest, path)
 """
 
 
-def test_leader_out_of_memory_ends_the_job(tmp_path, stage_env, stage_dir):
-    members = [{"rel": "big.bin", "type": "file", "data": os.urandom(64 << 20)}]
+def test_no_rank_holds_the_bundle(tmp_path, stage_env, stage_dir):
+    """Ranks that may map 48 MiB more than they had stage a 160 MiB bundle.
+
+    Rank 0 reads it and every leader writes its copy piece by piece (1 MiB
+    pieces here): nobody allocates a buffer of the bundle's size.
+    """
+    blob = os.urandom(160 << 20)
+    members = [
+        {"rel": "bigpkg", "type": "dir", "mode": 0o755},
+        {"rel": "bigpkg/__init__.py", "type": "file", "data": b""},
+        {"rel": "bigpkg/big.bin", "type": "file", "data": blob},
+    ]
     bundle = craft(tmp_path / "big.mpistage", members)
-    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
-    args = ["-c", OOM_DRIVER, "--bundle", bundle, "--trust", "-c", "pass"]
-    result, status = mpirun_status(2, args, env)
-    one_line_everywhere(result, status, words=["cannot allocate"])
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2", PYTHONPATH=str(tmp_path / "site"))
+    digest = hashlib.sha256(blob).hexdigest()
+    args = ["-c", LEAN_DRIVER, 48, "--bundle", bundle, "--trust"]
+    result, status = mpirun_status(2, [*args, "-c", CHECK_COPY, digest], env)
+    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
     assert job_dirs(stage_dir) == []
 
 
@@ -419,18 +440,51 @@ def test_interrupted_stage_is_refused_then_cleaned(tmp_path, stage_env, env_like
 # -- 6. staging space running out mid-write ----------------------------------------
 
 
+def mount_tmpfs(point, size):
+    """Mount a tmpfs of *size* at *point* (skip the test if one cannot)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    point.mkdir()
+    how = ["-t", "tmpfs", "-o", f"size={size}", "tmpfs", point]
+    done = subprocess.run(["mount", *how])
+    if done.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    return point
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs: room for a bundle's bytes, not for its files' blocks."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt])
-    if done.returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", mnt])
+    yield mount_tmpfs(tmp_path / "small", "1m")
+    subprocess.run(["umount", "-l", tmp_path / "small"])
+
+
+@pytest.fixture
+def shared_tmpfs(tmp_path):
+    """A 10 MiB tmpfs: room for one node's copy of :func:`six_mib`, not two."""
+    yield mount_tmpfs(tmp_path / "shared", "10m")
+    subprocess.run(["umount", "-l", tmp_path / "shared"])
+
+
+def six_mib(path, kind="packages"):
+    """A bundle of 6 MiB in 96 files, sent in 64 KiB pieces (:data:`PIECES`)."""
+    members = [
+        {"rel": f"m{i}.bin", "type": "file", "data": os.urandom(64 << 10)}
+        for i in range(96)
+    ]
+    roots = [{"path": str(path.parent / "site"), "listing": []}]
+    if kind == "env":
+        roots[0]["dest"] = ""
+    return craft(path, members, roots, kind=kind)
+
+
+PIECES = """
+import sys
+import mpistage.runtime.bulk as bulk
+bulk.PIECE_SIZE = 64 << 10
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
 
 
 def test_full_candidate_falls_back_to_the_next(tmp_path, stage_env, small_tmpfs):
@@ -461,6 +515,41 @@ def test_full_stage_dir_is_one_line_naming_it(tmp_path, stage_env, small_tmpfs):
     result, status = stage_bundle(bundle, folder, stage_env, ranks=1, nodes=1)
     one_line_everywhere(result, status, ranks=1, words=["no space left", str(folder)])
     assert not folder.exists()  # the stage made it, and removes it again
+
+
+def test_a_place_full_mid_pass_moves_to_the_next(tmp_path, stage_env, shared_tmpfs):
+    """Both nodes' copies passed the room check of one tmpfs, which holds
+    one: a leader's writes fail mid-pass, and the bytes go again, to a
+    place in the next candidate for the full node."""
+    bundle = six_mib(tmp_path / "six.mpistage")
+    second = tmp_path / "second"
+    second.mkdir()
+    env = dict(stage_env, MPISTAGE_STAGE_DIR=f"{shared_tmpfs}{os.pathsep}{second}")
+    env.update(MPISTAGE_EMULATE_NODES="2", MPISTAGE_BOOT="no")  # no boot copy there
+    args = ["-c", PIECES, "--bundle", bundle, "--trust", "--keep", "-c", "pass"]
+    result, status = mpirun_status(2, args, env)
+    assert result.returncode == 0 and status == {0: 0, 1: 0}, result
+    kept = job_dirs(shared_tmpfs) + job_dirs(second)
+    assert len(kept) == 2 and job_dirs(second), kept
+    for copy in kept:
+        assert len(list((copy / "r0").iterdir())) == 96, copy
+
+    env["MPISTAGE_STAGE_DIR"] = str(shared_tmpfs)
+    for copy in job_dirs(shared_tmpfs):
+        subprocess.run(["rm", "-rf", copy], check=True)
+    result, status = mpirun_status(2, args[:5] + ["-c", "pass"], env)
+    words = ["no usable place for the node's copy", "ran out of space"]
+    one_line_everywhere(result, status, words=words)
+    assert job_dirs(shared_tmpfs) == []
+
+
+def test_a_stage_dir_full_mid_pass_is_one_line(tmp_path, stage_env, shared_tmpfs):
+    bundle = six_mib(tmp_path / "six.mpistage", "env")
+    env = dict(stage_env, MPISTAGE_EMULATE_NODES="2")
+    args = ["-c", PIECES, "stage", bundle, "--to", shared_tmpfs / "env{node}"]
+    result, status = mpirun_status(2, args, env)
+    one_line_everywhere(result, status, words=["no space left", str(shared_tmpfs)])
+    assert list(shared_tmpfs.iterdir()) == []  # the stage made them, and removed them
 
 
 # -- 7. messages -----------------------------------------------------------------

@@ -142,6 +142,7 @@ class Seconds(Kind):
 yes_no = YesNo()
 seconds = Seconds()
 EMULATED_MAX = 4096  # emulated nodes: one machine's ranks, at most
+PIECE_MIN, PIECE_MAX = 64, 1 << 30  # bytes of one message: far below 2**31 - 1
 
 
 def text(name, value):
@@ -261,9 +262,17 @@ SETTINGS = _settings(
         "MPISTAGE_LIVE_WAIT",
         seconds,
         5.0,
-        "how long a rank waits for a live request's answer before it imports "
-        "from the originals (default 5)",
+        "how long a rank waits for a live request's answer while nothing "
+        "arrives at its node, before it imports from the originals (default 5)",
         "SECONDS",
+    ),
+    Setting(
+        "MPISTAGE_PIECE_SIZE",
+        Whole(PIECE_MIN, PIECE_MAX),
+        16 << 20,
+        "bytes in one MPI message of mpistage at most (default 16777216, "
+        "16 MiB): the pieces a bundle, a data file and a live push travel in",
+        "BYTES",
     ),
     Setting(
         "MPISTAGE_ENV_WAIT",

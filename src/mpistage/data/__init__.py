@@ -32,7 +32,7 @@ described here, are collective over *comm* and run the same steps on every rank
 - read: each reader reads one contiguous part into its node's copy;
 - broadcast: the leaders pass the parts on to each other on the bulk path
   (:func:`mpistage.runtime.bulk.bcast`), as raw pieces of
-  :data:`mpistage.runtime.bulk.PIECE_SIZE` bytes, never pickled;
+  :func:`mpistage.runtime.bulk.step` bytes, never pickled;
 - view: every rank gets a read-only view of its node's copy.
 
 Each step ends with an agreement of all ranks, so a bad input raises the same

@@ -66,14 +66,19 @@ def run(job, locate):
 
 
 def fill(job, segment):
-    """Readers fill their parts, leaders exchange them; then all ranks see all."""
+    """Readers fill their parts, leaders exchange them; then all ranks see all.
+
+    A reader that leads its node (and reads with plain reads) reads its
+    part as the leaders broadcast it, in one pass (:func:`spread`); other
+    readers read theirs first.
+    """
     from mpistage.runtime.collective import attempt
 
     with segment.memory() as memory:
         attempt(job.comm, read_part, job, memory)
         segment.sync()
         job.mark("read")
-        spread(job, memory)
+        attempt(job.comm, spread, job, memory)
         segment.sync()
         job.mark("broadcast")
 
@@ -299,8 +304,12 @@ def open_mpiio(job):
 
 
 def read_part(job, memory):
-    """Read this reader's part into its node's copy; check the size after."""
-    if job.slot is None:
+    """Read this reader's part into its node's copy; check the size after.
+
+    A reader whose part is read as it is broadcast (:func:`streams`)
+    reads it in :func:`spread` instead.
+    """
+    if job.slot is None or streams(job):
         return
     lo, hi = job.part()
     if job.io == "mpiio":
@@ -311,17 +320,24 @@ def read_part(job, memory):
         check_size(job, _os.fstat(job.fd).st_size)
 
 
-def read_posix(job, memory, lo, hi):
-    """Read [lo, hi) with plain reads of at most ``read.READ_SIZE`` bytes."""
-    from mpistage.runtime import read
+def streams(job):
+    """Whether this rank reads its part while the leaders broadcast it.
 
-    base, step, done = job.layout.start, max(1, int(read.READ_SIZE)), lo
-    while done < hi:
-        end = min(hi, done + step)
-        n = _os.preadv(job.fd, [memory[done - base : end - base]], done)
-        if n == 0:
-            changed(job, _os.fstat(job.fd).st_size)
-        done += n
+    A reader that leads its node, with plain reads, when there are other
+    nodes to send to.
+    """
+    return (
+        job.slot is not None
+        and job.io == "posix"
+        and job.topo.is_leader
+        and job.topo.count > 1
+    )
+
+
+def read_posix(job, memory, lo, hi):
+    """Read [lo, hi) into the node's copy with plain reads."""
+    base = job.layout.start
+    read_posix_into(job, memory[lo - base : hi - base], lo)
 
 
 def read_mpiio(job, memory, lo, hi):
@@ -343,12 +359,75 @@ def read_mpiio(job, memory, lo, hi):
 
 
 def spread(job, memory):
-    """Leaders: send each part from its reader's node to every other node."""
-    from mpistage.runtime.bulk import bcast
+    """Leaders: send each part from its reader's node to every other node.
+
+    Each part goes in one pass (:func:`mpistage.runtime.broadcast.stream`):
+    pieces land straight in every node's copy; a part whose reader leads
+    its node is sent piece by piece as it is read, and such readers all
+    start reading at once, each on a thread of its own.
+    """
+    from mpistage.runtime.broadcast import stream
 
     if not job.topo.is_leader or job.topo.count == 1:
         return
     base = job.layout.start
-    for slot, (node, _) in enumerate(job.slots):
-        lo, hi = job.part(slot)
-        bcast(job.topo.leaders, memory[lo - base : hi - base], root=node)
+    ahead = Ahead(job, memory) if streams(job) else None
+    try:
+        for slot, (node, _) in enumerate(job.slots):
+            lo, hi = job.part(slot)
+
+            def place(start, end, lo=lo):
+                return memory[lo - base + start : lo - base + end]
+
+            mine = ahead is not None and slot == job.slot
+            fill = ahead.wait if mine else None
+            stream(job.topo.leaders, hi - lo, fill, (), place, root=node)
+        if ahead is not None:
+            check_size(job, _os.fstat(job.fd).st_size)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+class Ahead:
+    """A leader's own part, read ahead on a thread while other parts travel."""
+
+    def __init__(self, job, memory):
+        from mpistage.runtime.broadcast import Worker
+        from mpistage.runtime.bulk import spans
+
+        self.lo, hi = job.part()
+        base = job.layout.start
+        self.worker = Worker(lambda start, view: read_posix_into(job, view, start))
+        self.tickets = {}
+        for start, end in spans(hi - self.lo):
+            view = memory[self.lo - base + start : self.lo - base + end]
+            self.tickets[start] = self.worker.submit(self.lo + start, view)
+
+    def wait(self, start, view):
+        """The piece at *start* of this part is read (else raise why not)."""
+        from mpistage.runtime.broadcast import wait_ticket
+
+        wait_ticket(self.tickets.pop(start, None))
+        if self.worker.error is not None:
+            raise self.worker.error
+
+    def stop(self):
+        """Stop reading: the thread has ended on return."""
+        self.worker.stop()
+
+
+def read_posix_into(job, view, offset):
+    """Read the file's bytes at *offset* into all of *view*.
+
+    In reads of at most ``read.READ_SIZE`` bytes; a file that ends early
+    changed while being read.
+    """
+    from mpistage.runtime import read
+
+    step, done = max(1, int(read.READ_SIZE)), 0
+    while done < len(view):
+        n = _os.preadv(job.fd, [view[done : done + step]], offset + done)
+        if n == 0:
+            changed(job, _os.fstat(job.fd).st_size)
+        done += n

@@ -193,30 +193,40 @@ def open_cached(path):
 
 
 def read_cached(path, check):
-    """Rank 0: return (bytes, manifest, None) to replay, or a reason to record.
+    """Rank 0: return (bundle, None) to replay, or (None, a reason to record).
 
-    A cache that holds a fresh bundle is only read, so it may be read-only
-    (a bundle learned once, then kept). One that must take a new bundle
-    is checked writable first, before the program runs. Either must be a
-    private place of this user (:func:`open_cache`, :func:`open_cached`).
+    The bundle (:class:`~mpistage.runtime.read.Bundle`) is open, its
+    manifest checked; its bytes are checked as they are sent. A cache that
+    holds a fresh bundle is only read, so it may be read-only (a bundle
+    learned once, then kept). One that must take a new bundle is checked
+    writable first, before the program runs. Either must be a private
+    place of this user (:func:`open_cache`, :func:`open_cached`).
     """
-    from mpistage.runtime.read import read_checked
+    from mpistage.runtime.read import open_bundle
 
     verdict = "no cached bundle"
     fd = open_cached(path)
     if fd is not None:
         try:
-            buf, manifest = read_checked(path, fd=fd)
+            bundle = open_bundle(path, fd=fd)  # the descriptor is the bundle's now
         except StageError as exc:
             verdict = str(exc)
         else:
-            verdict = check(manifest)
+            try:
+                verdict = check(bundle.manifest)
+            except BaseException:
+                bundle.close()
+                raise
             if not verdict:
-                return buf, manifest, None
-        finally:
-            _os.close(fd)
+                return bundle, None
+            bundle.close()
+    return None, relearn(path, verdict)
+
+
+def relearn(path, verdict):
+    """Rank 0: check that a new bundle can be learned; return the report's word."""
     ensure_writable(path, verdict)
-    return None, None, f"recorded ({verdict})"
+    return f"recorded ({verdict})"
 
 
 def start_recording():

@@ -3,11 +3,12 @@
 Every payload whose size the user decides (a bundle, a data file's parts,
 a live push with a module's libraries) travels here, never as one message:
 
-- no single message exceeds :data:`PIECE_SIZE` bytes, far below the
-  2**31 - 1 count limit of an MPI without MPI-4 large counts (Open MPI
-  4.1 refuses more with ``MPI_ERR_ARG``). Tests set :data:`PIECE_SIZE` to
-  a few bytes to exercise the many-piece path on small data, as mpi4py's
-  ``util/pkl5`` does;
+- no single message exceeds :func:`step` bytes (``MPISTAGE_PIECE_SIZE``,
+  16 MiB by default), far below the 2**31 - 1 count limit of an MPI
+  without MPI-4 large counts (Open MPI 4.1 refuses more with
+  ``MPI_ERR_ARG``). Tests set :data:`PIECE_SIZE` (or the variable, for
+  the processes they start) to a few bytes to exercise the many-piece
+  path on small data, as mpi4py's ``util/pkl5`` does;
 - a broadcast (:func:`bcast`) is one ``Ibcast`` per piece, completed by
   :func:`complete`, which calls ``Test()`` without sleeping. A nonblocking
   collective advances only inside MPI calls (Open MPI's schedules move one
@@ -28,15 +29,24 @@ Control messages (sizes, verdicts, requests) stay with
 :mod:`~mpistage.runtime.collective`: small, and worth no spinning.
 """
 
-PIECE_SIZE = 64 * 1024 * 1024  # bytes in one message at most
+PIECE_SIZE = None  # bytes in one message at most; None: MPISTAGE_PIECE_SIZE
 SPIN_FOR = 1.0  # seconds one piece is polled without sleeping
 HEAD = 8  # bytes of the whole size, in front of a long message's first piece
 
 
+def step():
+    """Bytes in one piece: :data:`PIECE_SIZE` if set, else ``MPISTAGE_PIECE_SIZE``."""
+    if PIECE_SIZE is not None:
+        return max(1, int(PIECE_SIZE))
+    from mpistage.settings import get
+
+    return get("MPISTAGE_PIECE_SIZE")
+
+
 def spans(length):
     """Return the (start, end) of each piece of *length* bytes."""
-    step = max(1, int(PIECE_SIZE))
-    return [(start, min(length, start + step)) for start in range(0, length, step)]
+    size = step()
+    return [(start, min(length, start + size)) for start in range(0, length, size)]
 
 
 def complete(request):
@@ -101,5 +111,5 @@ def take(comm, message, status):
 
 
 def piece_size():
-    """:data:`PIECE_SIZE`, and room for a first piece's header at least."""
-    return max(2 * HEAD, int(PIECE_SIZE))
+    """:func:`step`, and room for a first piece's header at least."""
+    return max(2 * HEAD, step())

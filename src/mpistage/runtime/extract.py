@@ -1,7 +1,9 @@
 """Step 4: each node leader writes the bundle's members below its root.
 
-This is the one extraction function, used by the runner, by
-:func:`mpistage.staged` and by ``mpistage stage``. A bundle is untrusted
+This is the one extraction (:class:`Writer`), used by the runner, by
+:func:`mpistage.staged`, by ``mpistage stage`` and by ``mpistage-env``: it
+takes the bundle's bytes piece by piece as they arrive and puts each
+straight into its place in the node's copy. A bundle is untrusted
 input, so nothing it says may create, write or touch anything outside the
 root: every directory is opened relative to its parent's descriptor with
 ``O_NOFOLLOW``, files are created with ``O_EXCL | O_NOFOLLOW``, and times
@@ -91,30 +93,124 @@ class Dirs:
         self.fds = {}
 
 
-def extract(root_fd, buf, manifest, name, path=None):
-    """Write every member of the bundle *buf* below the directory *root_fd*.
+class Writer:
+    """Writes a bundle's members below a root as their bytes arrive.
 
-    *path* is where *root_fd* is: a staged venv's ``pyvenv.cfg`` names it.
+    The one extraction, fed pieces of the bundle in order (:meth:`write`,
+    from the broadcast's writer thread): members are made in manifest
+    order, each file created when its first byte arrives and written in
+    place with ``pwritev``, never gathered in a buffer of its own; a
+    directory or link is made when the bytes reach it. :meth:`finish`
+    makes what follows the last byte, writes a staged venv's
+    ``pyvenv.cfg`` and sets the directories' times. *path* is where
+    *root_fd* is: a staged venv's ``pyvenv.cfg`` names it.
     """
-    from mpistage.runtime.roots import destinations
 
-    view, dests, dirs = memoryview(buf), destinations(manifest), Dirs(root_fd)
-    try:
-        for member in manifest["members"]:
-            rel = join(dests[member["root"]], member["rel"])
-            parent, _, leaf = rel.rpartition("/")
-            write_member(dirs.fd(parent), leaf, rel, view, member, name)
-        write_venv(root_fd, path, manifest, name)
-        for member in reversed(manifest["members"]):
+    def __init__(self, root_fd, manifest, name, path=None):
+        from mpistage.runtime.roots import destinations
+
+        self.root_fd, self.manifest, self.name, self.path = (
+            root_fd,
+            manifest,
+            name,
+            path,
+        )
+        self.members, self.dests = manifest["members"], destinations(manifest)
+        self.dirs, self.next, self.out = Dirs(root_fd), 0, None
+
+    def write(self, start, view):
+        """Write the piece *view*, the bundle's bytes from *start* on."""
+        try:
+            self.advance(start, view)
+        except OSError as exc:
+            raise os_error(exc, self.name) from None
+
+    def advance(self, start, view):
+        """Make the members the piece reaches; write its bytes into their files."""
+        end = start + len(view)
+        while self.next < len(self.members):
+            member = self.members[self.next]
+            if member["type"] != "file":
+                self.make(member)
+                continue
+            offset, stop = member["offset"], member["offset"] + member["size"]
+            if offset > end or (offset == end and stop > end):
+                return
+            if self.out is None:
+                self.out = self.create(member)
+            lo, hi = max(offset, start), min(stop, end)
+            if hi > lo:
+                write_at(self.out, view[lo - start : hi - start], lo - offset)
+            if stop > end:
+                return
+            self.close_file(member)
+
+    def place(self, member):
+        """Return (directory fd, leaf, rel) of *member* below the root."""
+        rel = join(self.dests[member["root"]], member["rel"])
+        parent, _, leaf = rel.rpartition("/")
+        return self.dirs.fd(parent), leaf, rel
+
+    def make(self, member):
+        """Make the directory or link *member*."""
+        parent_fd, leaf, rel = self.place(member)
+        try:
             if member["type"] == "dir":
-                rel = join(dests[member["root"]], member["rel"])
-                parent, _, leaf = rel.rpartition("/")
-                stamp = (member["mtime_ns"], member["mtime_ns"])
-                _os.utime(leaf, ns=stamp, dir_fd=dirs.fd(parent), follow_symlinks=False)
-    except OSError as exc:
-        raise os_error(exc, name) from None
-    finally:
-        dirs.close()
+                write_dir(parent_fd, leaf, rel, member["mode"] & 0o777)
+            else:
+                _os.symlink(member["target"], leaf, dir_fd=parent_fd)
+        except FileExistsError:
+            raise StageError(f"bundle {self.name!r} has member {rel!r} twice") from None
+        self.next += 1
+
+    def create(self, member):
+        """Create the file *member* (never following a symlink); return its fd."""
+        from mpistage.node.place import WRITE_FLAGS
+
+        parent_fd, leaf, rel = self.place(member)
+        mode = (member["mode"] & 0o777) | 0o400
+        try:
+            return _os.open(leaf, WRITE_FLAGS, mode, dir_fd=parent_fd)
+        except FileExistsError:
+            raise StageError(f"bundle {self.name!r} has member {rel!r} twice") from None
+
+    def close_file(self, member):
+        """The file's last byte is written: give it its time, close it."""
+        out, self.out = self.out, None
+        try:
+            _os.utime(out, ns=(member["mtime_ns"], member["mtime_ns"]))
+        finally:
+            _os.close(out)
+        self.next += 1
+
+    def finish(self, end):
+        """After the last piece (the data ended at *end*): make the rest, stamp."""
+        try:
+            self.advance(end, b"")
+            if self.next != len(self.members):
+                raise StageError(f"bundle {self.name!r} shrank while being read")
+            write_venv(self.root_fd, self.path, self.manifest, self.name)
+            for member in reversed(self.members):
+                if member["type"] == "dir":
+                    parent_fd, leaf, _rel = self.place(member)
+                    stamp = (member["mtime_ns"], member["mtime_ns"])
+                    _os.utime(leaf, ns=stamp, dir_fd=parent_fd, follow_symlinks=False)
+        except OSError as exc:
+            raise os_error(exc, self.name) from None
+
+    def close(self):
+        """Close what is open (the files stay)."""
+        if self.out is not None:
+            _os.close(self.out)
+            self.out = None
+        self.dirs.close()
+
+
+def write_at(fd, view, offset):
+    """Write all of *view* at *offset* of the file *fd*."""
+    done = 0
+    while done < len(view):
+        done += _os.pwritev(fd, [view[done:]], offset + done)
 
 
 def write_venv(root_fd, path, manifest, name):
@@ -163,21 +259,6 @@ def join(dest, rel):
     return f"{dest}/{rel}" if dest else rel
 
 
-def write_member(parent_fd, leaf, rel, view, member, name):
-    """Write one file, directory or symlink *leaf* below *parent_fd*."""
-    kind, mode = member["type"], member["mode"] & 0o777
-    try:
-        if kind == "dir":
-            write_dir(parent_fd, leaf, rel, mode)
-        elif kind == "link":
-            _os.symlink(member["target"], leaf, dir_fd=parent_fd)
-        else:
-            data = view[member["offset"] : member["offset"] + member["size"]]
-            write_file(parent_fd, leaf, data, mode | 0o400, member["mtime_ns"])
-    except FileExistsError:
-        raise StageError(f"bundle {name!r} has member {rel!r} twice") from None
-
-
 def write_dir(parent_fd, leaf, rel, mode):
     """Create the directory *leaf*, or accept one made earlier, never a link."""
     try:
@@ -186,11 +267,6 @@ def write_dir(parent_fd, leaf, rel, mode):
         st = _os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
         if (st.st_mode & 0o170000) != 0o040000:
             raise StageError(f"bundle member {rel!r} is not a directory") from None
-
-
-def write_file(parent_fd, leaf, data, mode, mtime_ns):
-    """Create *leaf* (never following a symlink) with *data*, *mode* and mtime."""
-    write_new(parent_fd, leaf, data, mode, mtime_ns)
 
 
 def os_error(exc, name):

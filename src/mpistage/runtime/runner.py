@@ -257,29 +257,50 @@ class Runner:
         return share(self.world, attempt(self.world, on_rank0))
 
     def start_auto(self):
-        """Replay the cached bundle, or record this run when there is none."""
+        """Replay the cached bundle, or record this run when there is none.
+
+        A cached bundle whose bytes turn out corrupt while they are sent
+        (its checksums are checked in that pass) is learned again, as one
+        whose manifest is.
+        """
         from mpistage.runtime import auto
         from mpistage.runtime.broadcast import share
         from mpistage.runtime.collective import attempt
+        from mpistage.runtime.read import CORRUPT
 
         session, rank0 = self.session, self.world.rank == 0
-        buf, manifest, verdict = session.timed(  # the report's read step
+        bundle, verdict = session.timed(  # the report's read step
             "read",
             attempt,
             self.world,
             lambda: (
                 auto.read_cached(session.bundle, session.staleness)
                 if rank0
-                else (None,) * 3
+                else (None, None)
             ),
         )
         verdict = share(self.world, verdict)
+        if not verdict:
+            try:
+                session.spread(bundle)
+            except StageError as exc:
+                if CORRUPT not in str(exc):
+                    raise
+                verdict = share(self.world, attempt(self.world, self.relearn, exc))
         self.auto = verdict or "replayed"
         if verdict:
             self.start_live(sources=True)
             self.recorder = auto.start_recording()
-        else:
-            session.spread(buf, manifest)
+
+    def relearn(self, why):
+        """Rank 0: the cached bundle is corrupt; check it can be learned again."""
+        from mpistage.runtime import auto
+
+        return (
+            auto.relearn(self.session.bundle, str(why))
+            if self.world.rank == 0
+            else None
+        )
 
     def start_live(self, sources=False):
         """No bundle: serve imports live (:mod:`~mpistage.runtime.live`), unless off.

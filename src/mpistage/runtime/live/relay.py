@@ -4,19 +4,26 @@ Each node leader runs one thread (world rank 0's also holds the reader):
 
 - it answers its node's requests (:mod:`~.request`) from its copy, or
   forwards the key to the reader, once per key however many ranks ask;
-- the reader answers a forwarded key with an acknowledgement naming the
-  push that carries it (its sequence number), and pushes what it read to
-  every leader along a binary tree of leaders: each leader passes a push
-  on to its children first, then writes it into its copy
-  (:class:`~.mirror.CopyWriter`), so every file travels once to every node
-  and the reader sends each push to two leaders, not to all;
-- a key is answered once the push named in its acknowledgement has been
-  written here, so an answer never overtakes the bytes it stands for.
+- the reader answers every key it resolves (its own rank's and those
+  forwarded to it) with a *push* that names the keys it answers and
+  carries what it read, to every leader along a binary tree of leaders:
+  each leader passes a push on to its children first, then writes it into
+  its copy (:class:`~.mirror.CopyWriter`), so every file travels once to
+  every node and the reader sends each push to two leaders, not to all;
+- a key is answered once the push that names it has been written here, so
+  an answer never overtakes the bytes it stands for, and a key the reader
+  resolved for one node is known on every node without asking again.
 
-Every message goes in pieces of at most
-:data:`~mpistage.runtime.bulk.PIECE_SIZE` bytes (:func:`~mpistage.runtime.bulk.post`),
-so a push of a module with its libraries, gigabytes for a GPU stack, is
-taken by an MPI without large counts; a leader passes a push on as it came.
+A push is a small header (the keys, the listings and the small files,
+pickled) and then the bytes of each big file (:data:`RAW_FROM` bytes or
+more) as raw pieces of at most :func:`~mpistage.runtime.bulk.step`
+bytes on their own tag: a leader receives each piece into a buffer of its
+own, passes it on to its children and writes it into the file in its
+copy, so it never holds a whole push, and the reader holds what it read
+once (it sends the pieces from the bytes it read, not from a pickle of
+them). Every other message goes in pieces too
+(:func:`~mpistage.runtime.bulk.post`), so no message exceeds the count
+limit of an MPI without large counts.
 
 The thread polls its communicator with growing sleeps (20 µs to 2 ms)
 instead of blocking inside MPI, so that an idle leader leaves the CPU to
@@ -24,6 +31,15 @@ the program, and it wakes at once when a thread of its own process asks.
 While its sends are in flight it polls without sleeping, for up to
 :data:`~mpistage.runtime.bulk.SPIN_FOR` seconds after anything last
 happened: a push advances only inside MPI calls.
+
+A rank's program may block in MPI holding the GIL (mpi4py's first
+lowercase collective on a communicator duplicates it so), and then this
+thread cannot run until every rank reaches that call. So the thread that
+asked for a key on a leader returns to the program only once the big
+pushes this relay sends have left (:meth:`Relay.drain`, bounded by
+progress): the bytes that another node waits for never wait for this
+node's program; and what a push answers needs no thread at all where it
+arrives (it names its keys, in the node's log too).
 
 The thread never imports: Python runs every finder with its global import
 lock held, so a rank's import may be waiting, lock in hand, for this very
@@ -42,11 +58,21 @@ flight. An unexpected error in a relay ends the job (``MPI_Abort``).
 import _thread
 
 from mpistage import Backoff
-from mpistage.runtime.live.request import ACK, BYE, CLOSED, END, FORWARD, PUSH, REQUEST
+from mpistage.runtime.live.request import (
+    BODY,
+    BYE,
+    CLOSED,
+    END,
+    FORWARD,
+    PUSH,
+    REQUEST,
+)
 
 POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
 IDLE_AFTER = 2.0  # seconds without traffic before polling slows to POLL_IDLE
 FANOUT = 2
+RAW_FROM = 1 << 20  # bytes from which a file of a push travels as raw pieces
+DEPTH = 4  # pieces of a push a leader holds at once while passing them on
 NEEDS = (  # imported before the thread starts (see above)
     "errno",
     "marshal",
@@ -54,6 +80,7 @@ NEEDS = (  # imported before the thread starts (see above)
     "stat",
     "struct",
     "time",
+    "mpistage.settings",
     "mpistage.runtime.finders",
     "mpistage.runtime.listings",
     "mpistage.node.elf",
@@ -95,13 +122,14 @@ class Relay:
         self.children = [leaders[c] for c in children]
         self.others = len(leaders) - 1  # BYEs the reader waits for
         self.lock = _thread.allocate_lock()
+        self.sending = _thread.allocate_lock()  # over sends: progress runs apart
         self.bell = _thread.allocate_lock()
         self.bell.acquire()
         self.finished = _thread.allocate_lock()
         self.finished.acquire()
         self.seq = self.applied = 0
         self.moved = 0.0  # when a send last began or ended (time.monotonic)
-        self.known, self.pending, self.awaiting = {}, {}, []
+        self.known, self.pending = {}, {}
         self.local, self.sends = [], []
         self.closing = self.said_bye = self.ended = self.stopped = False
         self.byes = 0
@@ -210,7 +238,7 @@ class Relay:
             status.tag,
         )
         if tag == PUSH:
-            self.pushed(raw)
+            self.pushed(raw, source)
         elif tag == END:
             self.send_down(raw, END)
             self.ended = True
@@ -221,9 +249,7 @@ class Relay:
             if tag == REQUEST:
                 self.request(value[1], (source, value[0]))
             elif tag == FORWARD:
-                self.forwarded(value, source)
-            elif tag == ACK:
-                self.acked(*value)
+                self.resolve(value)
         return True
 
     def send(self, blob, dest, tag, comm=None):
@@ -233,7 +259,9 @@ class Relay:
         from mpistage.runtime.bulk import post
 
         comm = comm or self.serve
-        self.sends.extend((piece, blob) for piece in post(comm, blob, dest, tag))
+        pieces = post(comm, blob, dest, tag)
+        with self.sending:
+            self.sends.extend((piece, blob) for piece in pieces)
         self.moved = time.monotonic()
         self.ring()  # sent by another thread (the reader's pushes): poll it now
 
@@ -248,7 +276,7 @@ class Relay:
 
         if not self.sends:
             return False
-        with self.lock:
+        with self.sending:
             left = [(r, b) for r, b in self.sends if not r.Test()]
             done = len(left) < len(self.sends)
             self.sends = left
@@ -283,9 +311,8 @@ class Relay:
         self.counts["requests"] += 1
         if self.reader is not None:
             return self.answer(waiter, self.resolve(key))
-        seq = self.known.get(key)
-        if seq is not None:
-            return self.when_applied(seq, [waiter])
+        if key in self.known:
+            return self.answer(waiter)
         if key in self.pending:
             return self.pending[key].append(waiter)
         if self.closing:
@@ -307,67 +334,146 @@ class Relay:
             rank, tag = waiter
             self.send(dumps(result), rank, tag, self.reply)
 
-    def when_applied(self, seq, waiters):
-        """Answer *waiters* once push *seq* is written here."""
-        if seq <= self.applied:
-            for waiter in waiters:
-                self.answer(waiter)
-        else:
-            self.awaiting.append((seq, waiters))
+    def pushed(self, raw, parent):
+        """A push came down the tree: pass it on, write it, answer who waited.
 
-    def acked(self, key, seq):
-        """The reader says which push carries *key*."""
-        self.known[key] = seq
-        self.when_applied(seq, self.pending.pop(key, []))
-
-    def pushed(self, raw):
-        """A push came down the tree: pass it on, write it, answer who waited."""
+        The big files' bytes follow the header as raw pieces, taken here one
+        by one (:meth:`take_body`), in the order of the header's items.
+        """
         import pickle
 
         self.send_down(raw, PUSH)
-        seq, items = pickle.loads(raw)
-        self.writer.apply(items)
+        seq, keys, items = pickle.loads(raw)
+        self.counts["bytes"] += len(raw)
+        for item in items:  # files in order (an extension after its libraries)
+            if item[0] == "f" and isinstance(item[2], int):
+                self.take_body(item, parent)
+            elif item[0] == "f":
+                self.writer.write_file(*item[1:])
+        self.writer.apply([item for item in items if item[0] != "f"])
+        self.writer.answered(keys)
+        self.writer.progress(len(raw))
         self.applied = seq
         self.counts["pushes"] += 1
-        self.counts["bytes"] += len(raw)
-        ready = [w for s, ws in self.awaiting if s <= seq for w in ws]
-        self.awaiting = [(s, ws) for s, ws in self.awaiting if s > seq]
-        for waiter in ready:
-            self.answer(waiter)
+        for key in keys:
+            self.known[key] = seq
+            for waiter in self.pending.pop(key, []):
+                self.answer(waiter)
+
+    def take_body(self, item, parent):
+        """Take one big file's bytes from *parent*: pass each piece on, write it.
+
+        At most :data:`DEPTH` pieces are held: a buffer is used again once
+        the children have it.
+        """
+        from mpi4py import MPI
+
+        from mpistage.runtime.bulk import complete, spans
+
+        _f, path, size, mode, mtime_ns, needs = item
+        out = self.writer.open_file(path, mode, mtime_ns, needs)
+        ring = []  # (buffer, the sends of it to the children)
+        try:
+            for start, end in spans(size):
+                buf, sends = ring.pop(0) if len(ring) == DEPTH else (None, [])
+                for request in sends:
+                    complete(request)
+                buf = buf or bytearray(end - start)
+                view = memoryview(buf)[: end - start]
+                complete(self.serve.Irecv([view, MPI.BYTE], parent, BODY))
+                piece = [view, MPI.BYTE]
+                sends = [self.serve.Isend(piece, c, BODY) for c in self.children]
+                ring.append((buf, sends))
+                self.writer.write_piece(out, view)
+                self.writer.progress(end - start)
+                self.counts["bytes"] += end - start
+        finally:
+            for _buf, sends in ring:
+                for request in sends:
+                    complete(request)
+        self.writer.close_file(out)
 
     # -- the reader (world rank 0) -------------------------------------------
 
     def resolve(self, key):
-        """Reader: read what answers *key* (once), push it; ``None`` or ``"closed"``."""
+        """Reader: read what answers *key* (once), push it; ``None`` or ``"closed"``.
+
+        Every key resolved is named in a push, even one that brings nothing
+        new: then every leader knows it is answered, and none asks again.
+        A key forwarded after that needs nothing: the push that names it
+        is on its way to the leader that asked, or there already.
+        """
         with self.lock:
             if self.ended:
                 return CLOSED
             if key not in self.known:
-                items = self.reader.items(key)
-                if items:
-                    self.push(items)
+                self.push([key], self.reader.items(key))
                 self.known[key] = self.seq
         return None
 
-    def push(self, items):
-        """Reader: send new *items* down the tree and write them here."""
+    def push(self, keys, items):
+        """Reader: send *items* (answering *keys*) down the tree; write them here.
+
+        The big files' bytes go as raw pieces of the bytes read, after
+        the header (:meth:`take_body` at the other end).
+        """
         from mpistage.runtime.live.request import dumps
 
         self.seq += 1
         if self.children:
-            blob = dumps((self.seq, items))
+            head = [shrunk(item) for item in items]
+            blob = dumps((self.seq, keys, head))
             self.send_down(blob, PUSH)
             self.counts["bytes"] += len(blob) * len(self.children)
+            for item in items:
+                if item is not None and raw(item):
+                    self.send_body(item[2])
         self.writer.apply(items)
+        self.writer.answered(keys)
         self.applied = self.seq
         self.counts["pushes"] += 1
 
-    def forwarded(self, key, leader):
-        """Reader: a leader forwarded *key*; acknowledge with its push."""
-        from mpistage.runtime.live.request import dumps
+    def send_body(self, data):
+        """Reader: send the bytes *data* of one file to the children, in pieces."""
+        import time
 
-        self.resolve(key)
-        self.send(dumps((key, self.known.get(key, self.seq))), leader, ACK)
+        from mpi4py import MPI
+
+        from mpistage.runtime.bulk import spans
+
+        view = memoryview(data)
+        for start, end in spans(len(view)):
+            for child in self.children:
+                piece = view[start:end]
+                request = self.serve.Isend([piece, MPI.BYTE], child, BODY)
+                with self.sending:
+                    self.sends.append((request, data))
+                self.counts["bytes"] += end - start
+        self.moved = time.monotonic()
+        self.ring()
+
+    def drain(self, wait):
+        """Return once this relay's big sends have left, or nothing moved for *wait* s.
+
+        The thread that asked waits here, GIL released, so that this relay
+        can pass a push's raw pieces on before the program may block in
+        MPI: those need this rank's progress; a small message leaves as it
+        is posted (eager). Answers need no thread of this rank: the push
+        names them, and the node's log too.
+        """
+        import time
+
+        pauses, since = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
+        while self.heavy() and not self.stopped:
+            if time.monotonic() - max(self.moved, since) > wait:
+                return False
+            self.ring()
+            pauses.sleep()
+        return True
+
+    def heavy(self):
+        """Whether a send of :data:`RAW_FROM` bytes or more is still in flight."""
+        return any(len(blob) >= RAW_FROM for _request, blob in list(self.sends))
 
     # -- the end -------------------------------------------------------------
 
@@ -393,3 +499,13 @@ class Relay:
                 self.send_down(b"", END)
             return True
         return False
+
+
+def raw(item):
+    """Whether the item is a file whose bytes travel as raw pieces."""
+    return item[0] == "f" and item[2] is not None and len(item[2]) >= RAW_FROM
+
+
+def shrunk(item):
+    """The item as the header carries it: a raw file's bytes become their size."""
+    return (*item[:2], len(item[2]), *item[3:]) if raw(item) else item

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.mpistage-installed
 # path of the caller's (a test that wants one sets it).
 AS_USERS := env -u PYTHONDONTWRITEBYTECODE -u PYTHONUNBUFFERED -u PYTHONPATH -u PYTHONSAFEPATH
 
-.PHONY: demo test test-fast lint venv system system-demo launchers clean
+.PHONY: demo test test-fast test-extended lint venv system system-demo launchers clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,11 @@ launchers: venv system
 
 test: venv system lint launchers
 	$(AS_USERS) $(PY) -m pytest -q
+
+# The whole suite and the extended tier: slower variants of cases the suite
+# covers already (h5py in every mode, a Slurm time limit, ...).
+test-extended: venv system lint launchers
+	$(AS_USERS) $(PY) -m pytest -q --extended
 
 # The quick subset while editing: no tier of real launchers or packages, no
 # end-to-end bench or environment runs (a few minutes).

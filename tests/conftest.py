@@ -23,6 +23,25 @@ for _name in (
     os.environ.pop(_name, None)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the extended tier: slower variants of cases the suite "
+        "already covers (make test-extended)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave the ``extended`` tier out unless ``--extended`` asks for it."""
+    if config.getoption("--extended"):
+        return
+    left = [item for item in items if "extended" in item.keywords]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if "extended" not in item.keywords]
+
+
 @pytest.fixture
 def stage_dir(tmp_path):
     """This test's only staging candidate."""

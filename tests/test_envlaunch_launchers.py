@@ -304,8 +304,13 @@ def epilog(victim, job):
         assert done.returncode == 0, done
 
 
-@pytest.mark.parametrize("dest", ["a directory of yours", "a name in /dev/shm"])
-@pytest.mark.parametrize("ending", ["runs", "failing rank", "scancel"])
+@pytest.mark.parametrize(
+    ("ending", "dest"),
+    [("runs", "a directory of yours"), ("failing rank", "a directory of yours"),
+     ("scancel", "a directory of yours"), ("runs", "a name in /dev/shm"),
+     pytest.param("failing rank", "a name in /dev/shm", marks=pytest.mark.extended),
+     pytest.param("scancel", "a name in /dev/shm", marks=pytest.mark.extended)],
+)  # fmt: skip
 def test_srun_bcast_as_an_ordinary_user_reads_once_and_leaves_nothing(
     slurm, victim, victims, ending, dest
 ):

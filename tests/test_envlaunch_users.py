@@ -327,7 +327,9 @@ def test_a_broadcast_directory_goes_once_its_job_has_ended(
     assert names(place) == ([folder.name] if kept else []), done
 
 
-@pytest.mark.parametrize("when", [1, 2, 3, 6, 12])
+@pytest.mark.parametrize(
+    "when", [*(pytest.param(w, marks=pytest.mark.extended) for w in (1, 2, 3)), 6, 12]
+)
 def test_a_reaper_cut_short_anywhere_leaves_what_the_next_finishes(
     victim, files, place, when
 ):
@@ -508,7 +510,7 @@ def test_a_copy_planted_while_the_first_rank_unpacks_ends_the_others_at_once(
     hook.mkdir(mode=0o777)
     hook.chmod(0o777)
     slow = victim.home / f"slow-python-{os.getpid()}"
-    slow.write_text('#!/bin/sh\nsleep 20\nexec /usr/bin/python3 "$@"\n')
+    slow.write_text('#!/bin/sh\nsleep 8\nexec /usr/bin/python3 "$@"\n')
     slow.chmod(0o755)
     victim.own(slow)
     plant = (

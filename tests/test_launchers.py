@@ -308,7 +308,9 @@ def slurm_state(job):
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("end", ["scancel", "time limit"])
+@pytest.mark.parametrize(
+    "end", ["scancel", pytest.param("time limit", marks=pytest.mark.extended)]
+)  # a time limit waits a minute, Slurm's least, and ends the job as scancel does
 def test_a_job_ended_before_its_clean_step_is_reaped(
     slurm, env_bundle, shared, app, tmp_path, end
 ):

@@ -156,6 +156,11 @@ EXPECTED = {
 }
 
 NAMES = sorted(PACKAGES)
+# h5py takes 10 to 25 s a case (four times any other): the default suite packs
+# it by name and imports it live; its other modes are the extended tier's.
+LIGHT = [
+    pytest.param(n, marks=pytest.mark.extended) if n == "h5py" else n for n in NAMES
+]
 PACK_NAMES = [
     "numpy",
     "scipy",
@@ -353,7 +358,7 @@ def test_pack_by_name(tier, name, stdlib):
     served(report)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LIGHT)
 def test_record_then_another_path(tier, name):
     def make(out):
         bundle = tier.base / "recorded.mpistage"
@@ -367,7 +372,7 @@ def test_record_then_another_path(tier, name):
     served(report)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LIGHT)
 def test_auto_twice_on_two_paths(tier, name):
     options = ["--auto", "--cache-dir", tier.base / "cache"]
 
@@ -397,7 +402,7 @@ def test_live_without_a_bundle(tier, name):
 KEEP = ("matplotlib",)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LIGHT)
 def test_staged_then_imports_after_the_block(tier, name):
     bundle = tier.pack("pack")
     keep = name in KEEP
@@ -440,7 +445,7 @@ def env_bundle(tier, tmp_path_factory):
     path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LIGHT)
 def test_env_bundle_with_mpistage_run(tier, env_bundle, name):
     folder = tier.base / "run" / "n{node}"
 

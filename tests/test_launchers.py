@@ -48,7 +48,7 @@ from launchertools import (
     wait_for,
     write_app,
 )
-from mpistage.cli.run import children
+from mpistage.cli.steps import children
 from stagetools import MPIEXEC, PYTHON, clean_environ, make_site, mpistage, pack
 
 pytestmark = pytest.mark.launchers

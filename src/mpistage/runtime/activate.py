@@ -43,8 +43,8 @@ where its ``$ORIGIN`` libraries are): source files no distribution owns
 test files) and the standard library's, since pytest and coverage compare
 ``__file__`` with files they find on disk and coverage knows the standard
 library by its place; and every module of a package the bundle holds in
-part (:meth:`BundledRoot.shows_original`), so that what a program finds
-beside a module is what plain python finds.
+part (:meth:`~mpistage.runtime.listings.BundledRoot.shows_original`),
+so that what a program finds beside a module is what plain python finds.
 
 A library that ``ctypes`` is asked to load by the path of its original
 below a bundled root (torch preloads CUDA libraries it finds along
@@ -69,112 +69,6 @@ from mpistage.runtime import listings as _listings
 
 CHILD_PLAN = ".mpistage-plan.json"
 CHILD_ENV = "MPISTAGE_CHILD"
-
-
-class BundledRoot:
-    """What activation knows of one bundled root."""
-
-    def __init__(self, path, staged, listing, partial=None, owned=(), stdlib=False):
-        from mpistage.runtime.roots import module_names
-
-        self.path, self.staged, self.listing = path, staged, listing
-        self.names = module_names(listing)
-        self.partial, self.owned = dict(partial or {}), frozenset(owned)
-        self.stdlib, self.unbundled_dists = stdlib, False
-        self.found_names, self.shortness, self.inside = {}, {}, None
-
-    def names_in(self, rel):
-        """The names a lookup in directory *rel* of this root may find in the original.
-
-        Empty for a directory the bundle holds whole; for one it holds in
-        part, the names of the listing recorded when it was bundled (the
-        staleness check keeps that true); ``None`` (ask the original every
-        time) when no listing was recorded.
-        """
-        from mpistage.runtime.roots import module_names
-
-        if rel not in self.partial:
-            return frozenset()
-        if rel not in self.found_names:
-            found = self.partial[rel]
-            self.found_names[rel] = (
-                None if found is None else frozenset(module_names(found))
-            )
-        return self.found_names[rel]
-
-    def transparent(self, rel):
-        """Whether the source file *rel* keeps its original ``__file__``."""
-        return rel.endswith(".py") and (self.stdlib or rel not in self.owned)
-
-    def shows_original(self, rel):
-        """Whether the modules in directory *rel* show their original paths.
-
-        So does all of a top-level package whose copy lists less than its
-        original anywhere in its tree (test directories left out,
-        ``--exclude``, files a recorded run did not use), and the root
-        itself unless its copy has all of it. A program that lists, walks,
-        globs or opens what is beside a module there then finds what plain
-        python finds; and a package's modules all lie below its directory,
-        as code that finds its own frames by path expects (pandas' stack
-        levels of warnings).
-        """
-        if self.inside is None:
-            self.inside = held_in_part(self.partial)
-        if not rel and self.short(""):
-            return True
-        top = rel.split("/", 1)[0]
-        return any(self.short(found) for found in self.inside.get(top, ()))
-
-    def short(self, rel):
-        """Whether the copy of directory *rel* lacks an entry of the original's.
-
-        Asked of the copy once (a node-local listing), against the listing
-        recorded in the bundle; without one, assumed so.
-        """
-        if rel not in self.shortness:
-            recorded = self.partial.get(rel) if rel else self.listing
-            copy = None
-            if self.staged is not None and recorded is not None:
-                copy = _listings.local_listing(_os.path.join(self.staged, rel))
-            if copy is None or copy is False:  # unknown, or no directory there
-                self.shortness[rel] = True
-            else:
-                held = {_listings.entry_name(e) for e in copy}
-                self.shortness[rel] = any(e.rstrip("/") not in held for e in recorded)
-        return self.shortness[rel]
-
-    def staged_path(self, path):
-        """Where the original *path* below this root is read from now.
-
-        The copy while the bundle is active; afterwards the original itself.
-        """
-        if self.staged is None or not path.startswith(self.path + _os.sep):
-            return path
-        return self.staged + path[len(self.path) :]
-
-    def metadata_paths(self):
-        """Where ``importlib.metadata`` looks for this root's distributions."""
-        found = [self.staged] if self.staged else []
-        return found + [self.path] if self.unbundled_dists else found
-
-
-def held_in_part(partial):
-    """Map each directory to the directories held in part at or below it.
-
-    The root is ``""``. ``__pycache__`` is Python's own cache, which no
-    listing records and no program looks into: it is left out.
-    """
-    inside = {}
-    for found in partial:
-        if "__pycache__" in found.split("/"):
-            continue
-        above = found
-        while True:
-            inside.setdefault(above, []).append(found)
-            if not above:
-                break
-            above = _os.path.dirname(above)
-    return inside
 
 
 class StagedFinder(_finders.ServingFinder):
@@ -221,7 +115,7 @@ class StagedFinder(_finders.ServingFinder):
 
         Sources no distribution owns do, and so does every module of a
         top-level package the bundle holds in part
-        (:meth:`BundledRoot.shows_original`).
+        (:meth:`~mpistage.runtime.listings.BundledRoot.shows_original`).
         """
         rel = path[len(self.root.path) + 1 :]
         return self.root.transparent(rel) or self.root.shows_original(
@@ -492,7 +386,7 @@ def roots_of(staged):
     for index, dest in enumerate(destinations(manifest)):
         entry = manifest["roots"][index]
         copy = _os.path.join(staged.path, dest) if index in held else None
-        root = BundledRoot(
+        root = _listings.BundledRoot(
             entry["path"],
             copy,
             entry.get("listing", []),

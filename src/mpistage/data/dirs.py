@@ -208,6 +208,8 @@ class JobPlace:
 class Room:
     """What a tree takes in its place: whole blocks per file and directory."""
 
+    what = "the directory's files"  # as a refusal names it
+
     def __init__(self, tree):
         self.sizes = [entry.size for entry in tree.files]
         self.dirs = len(tree.dirs) + 1

@@ -194,18 +194,19 @@ def room(fd, path, footprint):
     """Refuse *path* unless its file system has room for *footprint*.
 
     *footprint* (:class:`~mpistage.runtime.extract.Footprint`) counts the
-    blocks the files will really take, and the inodes.
+    blocks the files will really take, and the inodes; its ``what`` (if
+    any) names them in a refusal.
     """
+    what = getattr(footprint, "what", "the bundle")
     st = _os.fstatvfs(fd)
     free, need = st.f_bavail * st.f_frsize, footprint.bytes(st.f_frsize)
     if free < need:
         raise StageError(
-            f"no space left for the bundle in {path!r}: {free} bytes free, "
-            f"{need} needed"
+            f"no space left for {what} in {path!r}: {free} bytes free, {need} needed"
         )
     if st.f_files and st.f_favail < footprint.inodes:
         raise StageError(
-            f"no inodes left for the bundle in {path!r}: {st.f_favail} free, "
+            f"no inodes left for {what} in {path!r}: {st.f_favail} free, "
             f"{footprint.inodes} needed"
         )
 

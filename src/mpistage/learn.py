@@ -122,9 +122,9 @@ class ReaderFiles:
         return entries_digest(self.reader.dir_fd(path, LIST_FLAGS))
 
     def chunks(self, path):
-        """The content of the file *path*, read once (one piece)."""
+        """The content of the file *path*, read once (a big file in pieces)."""
         folder, name = _os.path.split(path)
         got = self.reader.read(folder, name)
         if got is None:
             raise OSError(2, "cannot read", path)
-        return [got[0]]
+        return got[0].chunks() if hasattr(got[0], "chunks") else [got[0]]

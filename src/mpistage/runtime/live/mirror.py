@@ -185,6 +185,26 @@ class CopyWriter:
             handle.close()
             self.give_up(handle.dir_fd, handle.tmp, exc)
 
+    def reader(self, handle):
+        """A descriptor reading the file being written, or ``None`` (skipped)."""
+        if handle is None or handle.out is None:
+            return None
+        flags = _os.O_RDONLY | _os.O_NOFOLLOW | _os.O_CLOEXEC
+        try:
+            return _os.open(handle.tmp, flags, dir_fd=handle.dir_fd)
+        except OSError:
+            return None
+
+    def drop_file(self, handle):
+        """Leave out the file being written: the ranks read its original."""
+        if handle is None or handle.out is None:
+            return
+        handle.close()
+        try:
+            _os.unlink(handle.tmp, dir_fd=handle.dir_fd)
+        except OSError:
+            pass
+
     def progress(self, nbytes):
         """Count *nbytes* more taken in, where the node's ranks can see it."""
         self.taken += nbytes

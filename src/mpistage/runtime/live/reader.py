@@ -48,6 +48,7 @@ import os as _os
 
 from mpistage import pyc_header, read_fd
 from mpistage.node.elf import elf_dynamic, expand_origin
+from mpistage.runtime.live.pieces import RAW_FROM
 
 MAX_OPEN = 256  # directory descriptors kept open
 MAX_FILE = 1 << 30  # larger files are left to the ranks to read themselves
@@ -261,7 +262,11 @@ class Reader:
         return st
 
     def read(self, folder, name):
-        """Return (bytes, mode, mtime_ns) of the regular file *name*, or ``None``."""
+        """Return (bytes, mode, mtime_ns) of the regular file *name*, or ``None``.
+
+        A file of :data:`~.pieces.RAW_FROM` bytes or more is not read
+        here: its bytes are a :class:`Big`, read as they are sent.
+        """
         import stat
 
         try:
@@ -272,11 +277,15 @@ class Reader:
             st = _os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
                 return None
-            data = read_fd(fd, st.st_size)
+            if st.st_size >= RAW_FROM:
+                data, fd = Big(fd, st.st_size), None  # the Big closes it
+            else:
+                data = read_fd(fd, st.st_size)
         except OSError:
             return None
         finally:
-            _os.close(fd)
+            if fd is not None:
+                _os.close(fd)
         self.counts["files"] += 1
         self.counts["bytes"] += len(data)
         if self.sources:
@@ -334,6 +343,87 @@ class Reader:
         for fd, _flags in self.fds.values():
             _os.close(fd)
         self.fds = {}
+
+
+class Big:
+    """A big file, open and not read: its bytes are read as they are sent.
+
+    The relay copies it into the node's copy and sends it down the tree
+    piece by piece (:mod:`~.pieces`), so no process holds the file. What
+    the reader itself looks at (an ELF object's headers and strings, a
+    bytecode header) is read here in windows of :data:`WINDOW` bytes, on
+    demand: slices and :meth:`index`, as of bytes. A window that cannot be
+    read reads as empty (the object then looks malformed, and needs
+    nothing).
+    """
+
+    WINDOW = 1 << 16
+
+    def __init__(self, fd, size):
+        self.fd, self.size, self.windows = fd, size, {}
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, key):
+        start, stop, _step = key.indices(self.size)
+        parts = []
+        while start < stop:
+            number, at = divmod(start, self.WINDOW)
+            part = self.window(number)[at : at + stop - start]
+            if not part:
+                break
+            parts.append(part)
+            start += len(part)
+        return b"".join(parts)
+
+    def index(self, byte, start):
+        """The offset of the first *byte* (one byte) at *start* or after."""
+        number, at = divmod(start, self.WINDOW)
+        while number * self.WINDOW < self.size:
+            found = self.window(number).find(byte, at)
+            if found >= 0:
+                return number * self.WINDOW + found
+            number, at = number + 1, 0
+        raise ValueError("not found")
+
+    def window(self, number):
+        """The bytes of window *number* (kept)."""
+        if number not in self.windows:
+            try:
+                got = _os.pread(self.fd, self.WINDOW, number * self.WINDOW)
+            except OSError:
+                got = b""
+            self.windows[number] = got
+        return self.windows[number]
+
+    def chunks(self):
+        """Yield the bytes in pieces, then close the file (a bundle's builder)."""
+        from mpistage.runtime.bulk import step
+
+        try:
+            at, size = 0, step()
+            while at < self.size:
+                got = _os.pread(self.fd, min(size, self.size - at), at)
+                if not got:
+                    return
+                yield got
+                at += len(got)
+        finally:
+            self.close()
+
+    def take(self):
+        """Hand the descriptor over (to the outbox, which closes it)."""
+        fd, self.fd = self.fd, None
+        return fd
+
+    def close(self):
+        """Close the file (once); the relay does after sending it."""
+        if self.fd is not None:
+            _os.close(self.fd)
+            self.fd = None
+
+    __del__ = close  # a big file the reader dropped (a stale bytecode)
 
 
 def bytecode_verdict(data, st):

@@ -15,13 +15,12 @@ Each node leader runs one thread (world rank 0's also holds the reader):
   resolved for one node is known on every node without asking again.
 
 A push is a small header (the keys, the listings and the small files,
-pickled) and then the bytes of each big file (:data:`RAW_FROM` bytes or
-more) as raw pieces of at most :func:`~mpistage.runtime.bulk.step`
-bytes on their own tag: a leader receives each piece into a buffer of its
-own, passes it on to its children and writes it into the file in its
-copy, so it never holds a whole push, and the reader holds what it read
-once (it sends the pieces from the bytes it read, not from a pickle of
-them). Every other message goes in pieces too
+pickled) and then the bytes of each big file (:data:`~.pieces.RAW_FROM`
+bytes or more) as raw pieces on their own tag (:mod:`~.pieces`): the
+reader copies such a file into its node's copy piece by piece and sends
+the pieces as it goes, and a leader passes each piece on to its children
+and writes it into its copy, so no process holds a big file. Every other
+message goes in pieces too
 (:func:`~mpistage.runtime.bulk.post`), so no message exceeds the count
 limit of an MPI without large counts.
 
@@ -58,6 +57,7 @@ flight. An unexpected error in a relay ends the job (``MPI_Abort``).
 import _thread
 
 from mpistage import Backoff
+from mpistage.runtime.live.pieces import RAW_FROM
 from mpistage.runtime.live.request import (
     BODY,
     BYE,
@@ -71,8 +71,6 @@ from mpistage.runtime.live.request import (
 POLL_MIN, POLL_MAX, POLL_IDLE = 0.00002, 0.002, 0.02  # seconds between polls
 IDLE_AFTER = 2.0  # seconds without traffic before polling slows to POLL_IDLE
 FANOUT = 2
-RAW_FROM = 1 << 20  # bytes from which a file of a push travels as raw pieces
-DEPTH = 4  # pieces of a push a leader holds at once while passing them on
 NEEDS = (  # imported before the thread starts (see above)
     "errno",
     "marshal",
@@ -89,6 +87,7 @@ NEEDS = (  # imported before the thread starts (see above)
     "mpistage.runtime.collective",
     "mpistage.runtime.extract",
     "mpistage.runtime.live.mirror",
+    "mpistage.runtime.live.pieces",
     "mpistage.runtime.live.reader",
     "mpistage.runtime.live.request",
     "mpistage.node.place",
@@ -134,6 +133,11 @@ class Relay:
         self.closing = self.said_bye = self.ended = self.stopped = False
         self.byes = 0
         self.counts = {"requests": 0, "forwarded": 0, "pushes": 0, "bytes": 0}
+        self.outbox = None  # the reader's big sends (:mod:`~.pieces`)
+        if reader is not None and self.children:
+            from mpistage.runtime.live.pieces import Outbox
+
+            self.outbox = Outbox(serve, self.children, BODY, self.sent_now)
 
     # -- the thread ----------------------------------------------------------
 
@@ -151,7 +155,7 @@ class Relay:
 
         try:
             pauses, quiet = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
-            while not (self.ended and not self.sends):
+            while not (self.ended and not self.sends and not self.posting()):
                 if self.step():
                     pauses.reset()
                     quiet = time.monotonic()
@@ -176,13 +180,23 @@ class Relay:
 
         from mpistage.runtime.bulk import SPIN_FOR
 
-        return bool(self.sends) and time.monotonic() - self.moved < SPIN_FOR
+        busy = bool(self.sends) or self.posting()
+        return busy and time.monotonic() - self.moved < SPIN_FOR
+
+    def posting(self):
+        """Whether the reader's outbox has bytes to post or in flight."""
+        return self.outbox is not None and self.outbox.busy()
 
     def step(self):
         """Do what can be done now; return whether anything was."""
+        import time
+
         busy = self.receive()
         busy = self.take_local() or busy
         busy = self.progress() or busy
+        if self.outbox is not None and self.outbox.advance():
+            self.moved = time.monotonic()
+            busy = True
         if self.closing:
             busy = self.wind_down() or busy
         return busy
@@ -338,7 +352,7 @@ class Relay:
         """A push came down the tree: pass it on, write it, answer who waited.
 
         The big files' bytes follow the header as raw pieces, taken here one
-        by one (:meth:`take_body`), in the order of the header's items.
+        by one (:func:`~.pieces.take_file`), in the order of the header's items.
         """
         import pickle
 
@@ -347,7 +361,10 @@ class Relay:
         self.counts["bytes"] += len(raw)
         for item in items:  # files in order (an extension after its libraries)
             if item[0] == "f" and isinstance(item[2], int):
-                self.take_body(item, parent)
+                from mpistage.runtime.live.pieces import take_file
+
+                args = (self.serve, parent, self.children, self.writer, item, BODY)
+                self.counts["bytes"] += take_file(*args)
             elif item[0] == "f":
                 self.writer.write_file(*item[1:])
         self.writer.apply([item for item in items if item[0] != "f"])
@@ -359,39 +376,6 @@ class Relay:
             self.known[key] = seq
             for waiter in self.pending.pop(key, []):
                 self.answer(waiter)
-
-    def take_body(self, item, parent):
-        """Take one big file's bytes from *parent*: pass each piece on, write it.
-
-        At most :data:`DEPTH` pieces are held: a buffer is used again once
-        the children have it.
-        """
-        from mpi4py import MPI
-
-        from mpistage.runtime.bulk import complete, spans
-
-        _f, path, size, mode, mtime_ns, needs = item
-        out = self.writer.open_file(path, mode, mtime_ns, needs)
-        ring = []  # (buffer, the sends of it to the children)
-        try:
-            for start, end in spans(size):
-                buf, sends = ring.pop(0) if len(ring) == DEPTH else (None, [])
-                for request in sends:
-                    complete(request)
-                buf = buf or bytearray(end - start)
-                view = memoryview(buf)[: end - start]
-                complete(self.serve.Irecv([view, MPI.BYTE], parent, BODY))
-                piece = [view, MPI.BYTE]
-                sends = [self.serve.Isend(piece, c, BODY) for c in self.children]
-                ring.append((buf, sends))
-                self.writer.write_piece(out, view)
-                self.writer.progress(end - start)
-                self.counts["bytes"] += end - start
-        finally:
-            for _buf, sends in ring:
-                for request in sends:
-                    complete(request)
-        self.writer.close_file(out)
 
     # -- the reader (world rank 0) -------------------------------------------
 
@@ -414,8 +398,10 @@ class Relay:
     def push(self, keys, items):
         """Reader: send *items* (answering *keys*) down the tree; write them here.
 
-        The big files' bytes go as raw pieces of the bytes read, after
-        the header (:meth:`take_body` at the other end).
+        The header goes first; each big file is copied here piece by piece
+        and its pieces follow through the outbox
+        (:func:`~.pieces.copy_file`; :func:`~.pieces.take_file` at the
+        other end).
         """
         from mpistage.runtime.live.request import dumps
 
@@ -425,30 +411,23 @@ class Relay:
             blob = dumps((self.seq, keys, head))
             self.send_down(blob, PUSH)
             self.counts["bytes"] += len(blob) * len(self.children)
-            for item in items:
-                if item is not None and raw(item):
-                    self.send_body(item[2])
-        self.writer.apply(items)
+        for item in items:  # files in order (an extension after its libraries)
+            if item[0] == "f" and raw(item):
+                from mpistage.runtime.live.pieces import copy_file
+
+                copy_file(self.writer, self.outbox, item)
+                self.counts["bytes"] += len(item[2]) * len(self.children)
+            elif item[0] == "f":
+                self.writer.write_file(*item[1:])
+        self.writer.apply([item for item in items if item[0] != "f"])
         self.writer.answered(keys)
         self.applied = self.seq
         self.counts["pushes"] += 1
 
-    def send_body(self, data):
-        """Reader: send the bytes *data* of one file to the children, in pieces."""
+    def sent_now(self):
+        """Something was posted: poll it now, spinning (:meth:`in_flight`)."""
         import time
 
-        from mpi4py import MPI
-
-        from mpistage.runtime.bulk import spans
-
-        view = memoryview(data)
-        for start, end in spans(len(view)):
-            for child in self.children:
-                piece = view[start:end]
-                request = self.serve.Isend([piece, MPI.BYTE], child, BODY)
-                with self.sending:
-                    self.sends.append((request, data))
-                self.counts["bytes"] += end - start
         self.moved = time.monotonic()
         self.ring()
 
@@ -472,7 +451,9 @@ class Relay:
         return True
 
     def heavy(self):
-        """Whether a send of :data:`RAW_FROM` bytes or more is still in flight."""
+        """Whether a send of :data:`~.pieces.RAW_FROM` bytes or more is still due."""
+        if self.posting():
+            return True
         return any(len(blob) >= RAW_FROM for _request, blob in list(self.sends))
 
     # -- the end -------------------------------------------------------------
@@ -493,7 +474,7 @@ class Relay:
                 self.send(dumps(None), 0, BYE)
                 return True
             return False
-        if not self.ended and self.byes == self.others:
+        if not self.ended and self.byes == self.others and not self.posting():
             with self.lock:
                 self.ended = True
                 self.send_down(b"", END)

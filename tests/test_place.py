@@ -120,6 +120,23 @@ def test_room_refuses_what_does_not_fit(tmp_path):
         os.close(fd)
 
 
+def test_room_names_a_directorys_files_not_a_bundle(tmp_path):
+    """``mpistage.data.staged_dir`` stages a directory: its refusal says so."""
+    from types import SimpleNamespace
+
+    from mpistage.data.dirs import Room
+
+    fd = opened(tmp_path)
+    try:
+        free = os.statvfs(tmp_path)
+        big = SimpleNamespace(size=free.f_bavail * free.f_frsize + 1)
+        tree = SimpleNamespace(files=[big], dirs=[])
+        with pytest.raises(StageError, match="no space left for the directory's files"):
+            place.room(fd, "here", Room(tree))
+    finally:
+        os.close(fd)
+
+
 def dead_pid():
     child = subprocess.Popen(["true"])
     child.wait()

@@ -190,6 +190,25 @@ def test_stale_roots_with_kept_ones_for_clean(tmp_path):
         os.close(fd)
 
 
+def test_a_root_made_again_since_it_was_judged_dead_is_left(tmp_path):
+    """Two ranks of a node reap at once: one removes the dead root and makes
+    its own of the same name; the other, which judged the dead one, must not
+    remove the new one (else both become the node's first rank)."""
+    dead = root_of(tmp_path, "boot-x.n0", pid=dead_pid())
+    judged = dead.stat().st_ino
+    fd = opened(tmp_path)
+    try:
+        assert cleanup.stale_root(fd, dead.name) == judged
+        cleanup.doom(fd, dead.name)  # the sibling's reaping
+        new = root_of(tmp_path, "boot-x.n0", pid=os.getpid())  # and its new root
+        # This rank's removal, a moment late, as remove_if_stale makes it:
+        cleanup.doom(fd, dead.name, lambda d: not cleanup.dead_root(fd, d, judged))
+    finally:
+        os.close(fd)
+    assert new.exists() and (new / place.OWNER_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["boot-x.n0"]
+
+
 def deep_tree(top, depth):
     fd = opened(top)
     for _ in range(depth):

@@ -72,6 +72,9 @@ def interrupted_pack(folder):
 
     ``None`` for the status when the pack finished first: it wrote its bundle
     before the interrupt reached it (the test saw the temporary file late).
+    The pack gets Ctrl-C as from a terminal, whatever this test inherited: a
+    shell starts background jobs with SIGINT ignored, and Python then keeps
+    it ignored.
     """
     out = folder / "big.mpistage"
     proc = subprocess.Popen(
@@ -80,6 +83,7 @@ def interrupted_pack(folder):
         stderr=subprocess.PIPE,
         text=True,
         env=clean_environ(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Interrupt it while it writes: once its temporary bundle is there.
     deadline = time.monotonic() + 60

@@ -268,25 +268,42 @@ def remove_if_stale(fd, name):
     """Remove the root *name* if its job is dead, and it is still the one judged.
 
     Ranks of one node reap at the same time: the name of a dead root one
-    of them removed may already be a new root of a live job, made since.
+    of them removed may already be a new root of a live job, made since;
+    what is renamed to be removed is judged again (:func:`doom`).
     """
     ino = stale_root(fd, name)
-    if ino is None:
+    if ino is None or inode(fd, name) != ino:
         return
+    doom(fd, name, lambda doomed: not dead_root(fd, doomed, ino))
+
+
+def dead_root(fd, name, ino):
+    """Whether *name* below *fd* is the root of inode *ino*, its owner gone.
+
+    An inode number is reused as soon as it is free, so the owner record is
+    read again too: a new root has a live owner, or none written yet.
+    """
     try:
-        same = _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
+        root_fd = _os.open(name, DIR_FLAGS, dir_fd=fd)
     except OSError:
-        return
-    if same:
-        doom(fd, name)
+        return False
+    try:
+        same, owner = _os.fstat(root_fd).st_ino == ino, read_owner(root_fd)
+    finally:
+        _os.close(root_fd)
+    return same and bool(owner) and not alive(owner.get("pid"), owner.get("start"))
 
 
-def doom(fd, name):
+def doom(fd, name, keep=None):
     """Remove *name* below *fd*, renamed first to a name that says it is going.
 
     Crash-only: a removal cut short at any point leaves either the whole
     entry, still judged by its owner record, or a ``NAME.removing-PID``
     that the next reaper removes without judging (nobody else makes one).
+    With *keep*, what was renamed is judged again by ``keep(new name)``:
+    if it is to be kept (a sibling removed the judged entry and made a new
+    one of that name between the judging and the rename), it is put back,
+    and nothing is removed.
     """
     if REMOVING in name:
         return remove_entry(fd, name)
@@ -297,7 +314,21 @@ def doom(fd, name):
         return None  # Another rank of the node is removing it.
     except OSError:
         doomed = name  # A doomed name of ours left by a remover we replace.
+    if keep is not None and doomed != name and keep(doomed):
+        try:
+            _os.rename(doomed, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except OSError:
+            pass
+        return None
     return remove_entry(fd, doomed)
+
+
+def inode(fd, name):
+    """The inode of *name* below *fd* (no link followed), or ``None``."""
+    try:
+        return _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino
+    except OSError:
+        return None
 
 
 # -- which processes still run ------------------------------------------------------

@@ -290,14 +290,10 @@ def orphan_claims(fd, names, skip):
 
 def remove_if_same(fd, name, ino):
     """Remove *name* below *fd* if it is still the directory judged (inode *ino*)."""
-    from mpistage.node.cleanup import doom
+    from mpistage.node.cleanup import doom, inode
 
-    try:
-        same = _os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino == ino
-    except OSError:
-        return
-    if same:
-        doom(fd, name)
+    if inode(fd, name) == ino:
+        doom(fd, name, lambda doomed: inode(fd, doomed) != ino)
 
 
 def remove_claim(fd, claim, ino=None):

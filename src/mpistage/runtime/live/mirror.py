@@ -74,6 +74,7 @@ class CopyWriter:
         flags = _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_NOFOLLOW
         self.counter = _os.open(PROGRESS, flags | _os.O_CLOEXEC, 0o600, dir_fd=root.fd)
         self.full, self.written, self.logged, self.taken = False, 0, 0, 0
+        self.progress(0)  # its block now, while the copy is empty
 
     def apply(self, items):
         """Write *items* (files, then listings) in order."""
@@ -206,9 +207,21 @@ class CopyWriter:
             pass
 
     def progress(self, nbytes):
-        """Count *nbytes* more taken in, where the node's ranks can see it."""
+        """Count *nbytes* more taken in, where the node's ranks can see it.
+
+        The count is for the ranks' bound on progress only: a copy that
+        has filled up before its first count was written (no block for it)
+        goes on without it, as full.
+        """
+        import errno
+
         self.taken += nbytes
-        _os.pwrite(self.counter, self.taken.to_bytes(8, "little"), 0)
+        try:
+            _os.pwrite(self.counter, self.taken.to_bytes(8, "little"), 0)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.full = True
 
     def holds(self, rel):
         """Whether the copy holds the regular file *rel* (no link followed)."""

@@ -480,6 +480,43 @@ def test_program_that_finalizes_mpi_itself(tmp_path, env, stage_dir, ranks):
     assert job_dirs(stage_dir) == []
 
 
+# The leader's reply to a rank comes 50 ms after its node's log has the
+# answer; each rank says how many replies it had not taken when it closed.
+LATE_REPLIES = """
+import os, sys, time
+import mpistage.runtime.live.relay as relay
+import mpistage.runtime.live.request as request
+real_answer, real_close = relay.Relay.answer, request.RankClient.close
+def answer(self, waiter, result=None):
+    if not isinstance(waiter, relay.Waiter):
+        time.sleep(0.05)
+    return real_answer(self, waiter, result)
+def close(self):
+    real_close(self)
+    rank = os.environ["PMI_RANK"]
+    with open(os.path.join(os.environ["MPISTAGE_TEST_OUT"], rank + ".left"), "w") as f:
+        f.write(str(len(self.stray) + len(self.overdue)))
+relay.Relay.answer, request.RankClient.close = answer, close
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_every_reply_is_taken_before_mpi_finalizes(tmp_path, env, stage_dir):
+    """A rank that read its answer in the node's log takes the leader's
+    reply too before MPI finalizes: an MPI may say so of a message never
+    received (UCX: "unexpected tag-receive descriptor ... was not matched")."""
+    target = write_target(tmp_path / "late.py", "import livepkg.sub\nemit(1)\n")
+    env = dict(env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(4, ["-c", LATE_REPLIES, target], env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert results(env, 4) == [1] * 4
+    out = Path(env["MPISTAGE_TEST_OUT"])
+    left = {p.stem: p.read_text() for p in out.glob("*.left")}
+    assert left == {"1": "0", "3": "0"}, left  # the ranks that are not leaders
+    assert job_dirs(stage_dir) == []
+
+
 MARKED = f"import os as _o\n_o.path.exists({MARK!r})\n"
 TRACED = (
     MARKED

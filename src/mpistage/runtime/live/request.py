@@ -236,6 +236,19 @@ class RankClient:
             return not self.overdue
 
     def close(self):
-        """Stop asking: later requests, and those still waiting, get ``"closed"``."""
+        """Stop asking: later requests, and those still waiting, get ``"closed"``.
+
+        The answers still due for requests the node's log answered first
+        are taken before MPI finalizes (for up to the wait): the leader
+        sends each right after logging it, and an MPI finalizing with a
+        message it never received may say so (UCX: "unexpected
+        tag-receive descriptor ... was not matched").
+        """
+        import time
+
         self.closed = True
         self.caught_up()
+        pauses, deadline = Backoff(POLL_MIN, POLL_MAX), time.monotonic() + self.wait
+        while self.stray and time.monotonic() < deadline:
+            pauses.sleep()
+            self.caught_up()

@@ -43,6 +43,11 @@ try:
 except mpistage.StageError as exc:
     facts["error"] = str(exc)
 facts["went_on"] = comm.allreduce(1)
+from mpistage.node import cleanup
+finalize, depth = MPI.Finalize, 0
+while hasattr(finalize, "__wrapped__"):
+    finalize, depth = finalize.__wrapped__, depth + 1
+facts["finalize"] = [MPI.Finalize.__name__, depth, len(cleanup.ENDS)]
 emit(facts)
 """
 
@@ -70,6 +75,9 @@ def test_staged_serves_then_restores(tmp_path, stage_env, stage_dir, tiny, ranks
         assert "entered" not in f
         assert "checksum mismatch" in f["error"], f
         assert f["went_on"] == ranks
+        # One MPI.Finalize of mpistage's, whatever the number of blocks, with
+        # nothing left for it to run first.
+        assert f["finalize"] == ["Finalize", 1, 0], f
     assert {f["error"] for f in facts} == {facts[0]["error"]}  # agreed
     assert job_dirs(stage_dir) == []
 

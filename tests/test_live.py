@@ -480,6 +480,70 @@ def test_program_that_finalizes_mpi_itself(tmp_path, env, stage_dir, ranks):
     assert job_dirs(stage_dir) == []
 
 
+# MPI.Finalize as the program finds it under mpistage's: each rank says how
+# many threads besides its main one still ran when it was called (waiting up
+# to 2 s for them to end).
+THREADS_AT_FINALIZE = """
+import _thread, os, sys, time
+import mpistage.node.cleanup as cleanup
+real_at_finalize = cleanup.at_finalize
+def at_finalize(func, comm):
+    from mpi4py import MPI
+    real = MPI.Finalize
+    def finalize():
+        deadline = time.monotonic() + 2
+        while _thread._count() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out = os.path.join(os.environ["MPISTAGE_TEST_OUT"], os.environ["PMI_RANK"])
+        with open(out + ".threads", "a") as f:
+            f.write(str(_thread._count()))
+        real()
+    MPI.Finalize = finalize
+    return real_at_finalize(func, comm)
+cleanup.at_finalize = at_finalize
+from mpistage.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_no_thread_of_ours_is_in_mpi_when_the_program_finalizes_it(
+    tmp_path, env, stage_dir
+):
+    """The standard lets ``MPI_Finalize`` begin only once every other thread
+    has completed its MPI calls, and MPICH stops locking before it runs the
+    callbacks that end the job: a relay thread still polling there made one
+    run in fifty crash, hang or leave a mutex locked."""
+    target = write_target(tmp_path / "fin.py", FINALIZER)
+    env = dict(env, MPISTAGE_EMULATE_NODES="2")
+    result = mpirun(5, ["-c", THREADS_AT_FINALIZE, target], env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert result.stdout.count("after finalize") == 5
+    out = Path(env["MPISTAGE_TEST_OUT"])
+    threads = {p.stem: p.read_text() for p in out.glob("*.threads")}
+    assert threads == dict.fromkeys(map(str, range(5)), "0"), threads
+    assert job_dirs(stage_dir) == []
+
+
+# A program whose C code finalizes MPI: mpistage's end runs inside it.
+C_FINALIZER = FINALIZER.replace(
+    "MPI.Finalize()\n",
+    """import ctypes
+libmpi = [line.split()[-1] for line in open("/proc/self/maps") if "/libmpi.so" in line]
+ctypes.CDLL(libmpi[0]).MPI_Finalize()
+assert MPI.Is_finalized()
+""",
+)
+
+
+def test_program_whose_c_code_finalizes_mpi(tmp_path, env, stage_dir):
+    target = write_target(tmp_path / "fin.py", C_FINALIZER)
+    result, env = launch(5, target, env, cwd=tmp_path)
+    assert result.returncode == 0, result
+    assert result.stdout.count("after finalize") == 5
+    assert results(env, 5) == [14] * 5
+    assert job_dirs(stage_dir) == []
+
+
 # The leader's reply to a rank comes 50 ms after its node's log has the
 # answer; each rank says how many replies it had not taken when it closed.
 LATE_REPLIES = """

@@ -165,39 +165,74 @@ def on_signal(signum, frame):
 
 
 def at_finalize(func, comm):
-    """Run *func* inside ``MPI_Finalize`` if the program calls it first.
+    """Run *func* before MPI finalizes, if the program finalizes it first.
 
-    MPI runs the delete callbacks of ``COMM_SELF``'s attributes at the start
-    of ``MPI_Finalize``, while it can still communicate, so the end of a job
-    (a report, a learned bundle, the copy's removal) can still be collective
-    there. A failure in *func* is printed on rank 0 of *comm* and aborts the
-    job: a callback must not raise. Returns a function that cancels the
-    watch, for when the job ends by itself.
+    A program's ``MPI.Finalize()`` runs *func* first, then mpi4py's own:
+    while *func* runs MPI is whole, and a thread of ours may end its MPI
+    calls before ``MPI_Finalize`` begins, as the standard requires (MPICH
+    stops locking before its first callback). A ``MPI_Finalize`` from C
+    runs *func* in the delete callback of an attribute of ``COMM_SELF``,
+    at its start, where MPI can still communicate: the end of a job (a
+    report, a learned bundle, the copy's removal) stays collective either
+    way. A failure in *func* is printed on rank 0 of *comm* and aborts the
+    job. Returns a function that cancels the watch, for when the job ends
+    by itself.
     """
     from mpi4py import MPI
 
     state = {"done": False}
 
-    def on_finalize(self_comm, keyval, value):
+    def once():
         if state["done"]:
-            return MPI.SUCCESS
+            return
         state["done"] = True
         try:
             func()
         except BaseException as exc:  # noqa: BLE001  (a callback must not raise)
             say_failure(comm, exc)
             comm.Abort(1)
+
+    def on_finalize(self_comm, keyval, value):
+        once()
         return MPI.SUCCESS
 
     keyval = MPI.COMM_SELF.Create_keyval(delete_fn=on_finalize)
     MPI.COMM_SELF.Set_attr(keyval, None)
+    ends_first(MPI)
+    ENDS.append(once)
 
     def cancel():
+        if once in ENDS:
+            ENDS.remove(once)
         if not state["done"] and not MPI.Is_finalized():
             state["done"] = True
             MPI.COMM_SELF.Delete_attr(keyval)
 
     return cancel
+
+
+ENDS = []  # what ``MPI.Finalize()`` runs first, the latest first
+
+
+def ends_first(MPI):
+    """Make ``MPI.Finalize`` run :data:`ENDS` first (once per process).
+
+    One wrapper, whatever the number of watches (a ``staged()`` block each),
+    under mpi4py's name.
+    """
+    finalize = MPI.Finalize
+    if getattr(finalize, "mpistage_ends", None) is ENDS:
+        return
+
+    def wrapper():
+        while ENDS:
+            ENDS.pop()()
+        finalize()
+
+    for name in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(wrapper, name, getattr(finalize, name, None))
+    wrapper.__wrapped__, wrapper.mpistage_ends = finalize, ENDS
+    MPI.Finalize = wrapper
 
 
 # -- roots of dead jobs (crash-only cleanup) --------------------------------------

@@ -20,7 +20,7 @@ import os as _os
 import sys as _sys
 
 from mpistage import StageError
-from mpistage.runtime.collective import attempt, barrier
+from mpistage.runtime.collective import attempt, barrier, wait
 
 # What a rank's finder and request path use besides the finders' own needs
 # (:data:`~mpistage.runtime.finders.SERVING`); imported before installing.
@@ -281,16 +281,22 @@ class LiveSession:
     def close(self):
         """After the program: stop serving and uninstall (collective).
 
-        The node's copy stays until :meth:`release`: ``--auto`` builds the
-        bundle from node 0's copy.
+        From its first step, this (the main) thread serves the leader's relay
+        (:meth:`~.relay.Relay.take_over`): one thread calls MPI, as
+        ``MPI_Finalize`` needs. The node's copy stays until :meth:`release`:
+        ``--auto`` builds the bundle from node 0's copy.
         """
         if self.mode != "live" or self.closed or not self.usable():
             return
-        barrier(self.session.topology.world)  # every rank is done with the program
+        if self.relay is not None:
+            self.relay.take_over()  # from here on one thread calls MPI
+        everyone = self.session.topology.world.Ibarrier()  # all done with the program
+        if self.relay is None:
+            wait(everyone)
         self.client.close()
         self.closed = True
         if self.relay is not None:
-            self.relay.close()
+            self.relay.close(everyone)
             if self.relay.reader is not None:
                 self.served = sorted(self.relay.reader.sent)
         self.uninstall()

@@ -46,12 +46,21 @@ thread; a first import here would wait for that lock for ever. Everything
 the thread (and the reader it runs) uses is imported before it starts
 (:data:`NEEDS`).
 
-Ending takes two steps, after every rank has finished the program: each
-leader stops forwarding, waits for its outstanding keys, and says ``BYE``
-to the reader; when all have, the reader sends ``END`` down the tree after
-its last push. A thread ends once ``END`` has reached it and its sends are
-complete, so MPI finalizes with no server running and no message in
-flight. An unexpected error in a relay ends the job (``MPI_Abort``).
+The end belongs to the main thread. After the program, the main thread
+takes the relay over (:meth:`Relay.take_over`): the thread leaves at its
+next step, and from then on this process calls MPI from one thread only,
+as ``MPI_Finalize`` requires of the threads it finds (MPI-4.1 §11.2.2:
+only after every thread has completed its MPI calls). That matters when
+the program calls ``MPI_Finalize`` itself: MPICH stops locking before it
+runs the callbacks that end the job, so a thread still polling there races
+the main thread's own calls (a message handle found invalid, a crash, a
+mutex left locked at the very end). The main thread then serves on until
+every rank has finished the program, and ends in two steps: each leader
+stops forwarding, waits for its outstanding keys, and says ``BYE`` to the
+reader; when all have, the reader sends ``END`` down the tree after its
+last push. A relay ends once ``END`` has reached it and its sends are
+complete, so MPI finalizes with no message in flight. An unexpected error
+in a relay ends the job (``MPI_Abort``).
 """
 
 import _thread
@@ -124,13 +133,14 @@ class Relay:
         self.sending = _thread.allocate_lock()  # over sends: progress runs apart
         self.bell = _thread.allocate_lock()
         self.bell.acquire()
-        self.finished = _thread.allocate_lock()
-        self.finished.acquire()
+        self.parked = _thread.allocate_lock()  # held while the thread serves
+        self.parked.acquire()
         self.seq = self.applied = 0
         self.moved = 0.0  # when a send last began or ended (time.monotonic)
         self.known, self.pending = {}, {}
         self.local, self.sends = [], []
         self.closing = self.said_bye = self.ended = self.stopped = False
+        self.handing = False  # the main thread takes over (:meth:`take_over`)
         self.byes = 0
         self.counts = {"requests": 0, "forwarded": 0, "pushes": 0, "bytes": 0}
         self.outbox = None  # the reader's big sends (:mod:`~.pieces`)
@@ -150,24 +160,28 @@ class Relay:
         _thread.start_new_thread(self.run, ())
 
     def run(self):
-        """Serve until ``END`` (or, on the reader, all ``BYE``s) and sends drain."""
-        import time
-
+        """Serve in the thread until the main thread takes the relay over."""
         try:
-            pauses, quiet = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
-            while not (self.ended and not self.sends and not self.posting()):
-                if self.step():
-                    pauses.reset()
-                    quiet = time.monotonic()
-                    continue
-                if self.in_flight():
-                    continue
-                idle = time.monotonic() - quiet > IDLE_AFTER
-                self.bell.acquire(timeout=POLL_IDLE if idle else pauses.next())
+            self.serve_until(lambda: self.handing)
         except BaseException as exc:  # noqa: BLE001  (a server must not die quietly)
             self.crash(exc)
         finally:
-            self.stop()
+            self.parked.release()
+
+    def serve_until(self, done):
+        """Serve until ``done()`` says so, polling with growing sleeps between."""
+        import time
+
+        pauses, quiet = Backoff(POLL_MIN, POLL_MAX), time.monotonic()
+        while not done():
+            if self.step():
+                pauses.reset()
+                quiet = time.monotonic()
+                continue
+            if self.in_flight():
+                continue
+            idle = time.monotonic() - quiet > IDLE_AFTER
+            self.bell.acquire(timeout=POLL_IDLE if idle else pauses.next())
 
     def in_flight(self):
         """Whether bytes are on their way: poll again now, as :mod:`~.bulk` does.
@@ -223,14 +237,13 @@ class Relay:
         self.serve.Abort(1)
 
     def stop(self):
-        """The thread ends: answer whoever still waits, then say so."""
+        """The relay ends: answer whoever still waits."""
         with self.lock:
             self.stopped = True
             waiters = [w for _key, w in self.local]
             self.local = []
         for waiter in waiters:
             self.answer(waiter, CLOSED)
-        self.finished.release()
 
     # -- messages ------------------------------------------------------------
 
@@ -458,11 +471,35 @@ class Relay:
 
     # -- the end -------------------------------------------------------------
 
-    def close(self):
-        """After the program: end the relay (see the module docstring); wait."""
-        self.closing = True
+    def take_over(self):
+        """The main thread serves from now on: return once the thread has left.
+
+        Called after the program; before it, this thread makes no MPI call
+        (see the module docstring).
+        """
+        self.handing = True
         self.ring()
-        self.finished.acquire()
+        self.parked.acquire()
+
+    def close(self, everyone):
+        """End the relay in the main thread, once *everyone* (a request) completes.
+
+        *everyone* completes when every rank has finished the program (an
+        ``Ibarrier``); until then this node's requests are still served.
+        """
+        try:
+            self.serve_until(everyone.Test)
+            self.closing = True
+            self.ring()
+            self.serve_until(self.over)
+        except BaseException as exc:  # noqa: BLE001  (ranks may be waiting on us)
+            self.crash(exc)
+        finally:
+            self.stop()
+
+    def over(self):
+        """Whether ``END`` has come (or gone, on the reader) and every send left."""
+        return self.ended and not self.sends and not self.posting()
 
     def wind_down(self):
         """Take the next step of the end; return whether one was taken."""
